@@ -1,0 +1,197 @@
+"""Engine-neutral model of an engine's KV-cache layout (mirrors vLLM's ``kv_cache_interface``).
+
+A ``KVCacheConfig`` holds groups; each group is a set of layers sharing one block table and one spec. The
+spec says how many bytes one token (attention) or one state (Mamba) takes per layer. ``from_vllm`` converts
+vLLM objects by duck typing, so this module never imports vllm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical dtype name ('bfloat16') from a torch dtype, numpy dtype or string ('torch.bfloat16', 'bf16')."""
+    text = str(dtype).removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+               "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "auto": "bfloat16"}
+    text = aliases.get(text, text)
+    if text not in DTYPE_SIZES:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; use one of {sorted(DTYPE_SIZES)}")
+    return text
+
+
+class GroupKind(StrEnum):
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    MLA = "mla"
+    MAMBA = "mamba"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one layer of a group stores per block."""
+
+    block_size: int
+    kind: GroupKind = field(init=False, default=GroupKind.FULL_ATTENTION)
+
+    def bytes_per_token_per_layer(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token_per_layer()
+
+    def describe(self) -> dict[str, Any]:
+        """Plain description used in namespaces (must be stable across processes)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    num_kv_heads: int = 1
+    head_size: int = 64
+    dtype: str = "bfloat16"
+    kind: GroupKind = field(init=False, default=GroupKind.FULL_ATTENTION)
+
+    def bytes_per_token_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": str(self.kind), "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
+                "head_size": self.head_size, "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    sliding_window: int = 4096
+    kind: GroupKind = field(init=False, default=GroupKind.SLIDING_WINDOW)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "sliding_window": self.sliding_window}
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one latent vector per token (no separate K and V)."""
+
+    kind: GroupKind = field(init=False, default=GroupKind.MLA)
+
+    def bytes_per_token_per_layer(self) -> int:
+        return self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """Recurrent state: a fixed-size state per request, not per token."""
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    kind: GroupKind = field(init=False, default=GroupKind.MAMBA)
+
+    def state_bytes_per_layer(self) -> int:
+        total = 0
+        for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * DTYPE_SIZES[dtype]
+        return total
+
+    def bytes_per_token_per_layer(self) -> int:
+        return 0
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.state_bytes_per_layer()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": str(self.kind), "block_size": self.block_size,
+                "shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes)}
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+    @property
+    def kind(self) -> GroupKind:
+        return self.kv_cache_spec.kind
+
+    def bytes_per_token(self) -> int:
+        """Bytes of KV one token takes across all layers of the group (0 for Mamba)."""
+        return self.kv_cache_spec.bytes_per_token_per_layer() * len(self.layer_names)
+
+    def bytes_per_chunk(self, chunk_tokens: int) -> int:
+        """Bytes of one stored chunk of this group: tokens x layers, or one state per layer for Mamba."""
+        spec = self.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            return spec.state_bytes_per_layer() * len(self.layer_names)
+        return chunk_tokens * self.bytes_per_token()
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The engine's KV-cache layout: groups of layers with their specs, and the block pool size."""
+
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    num_blocks: int = 0
+
+    def group_of_layer(self) -> dict[str, int]:
+        return {name: gid for gid, g in enumerate(self.kv_cache_groups) for name in g.layer_names}
+
+
+def simple_config(num_layers: int, num_kv_heads: int, head_size: int, dtype: str = "bfloat16",
+                  block_size: int = 16, sliding_window: int | None = None,
+                  swa_layers: Sequence[int] = (), num_blocks: int = 0) -> KVCacheConfig:
+    """A config for a plain model: one full-attention group, plus one sliding-window group for swa_layers."""
+    dtype = dtype_name(dtype)
+    full = tuple(f"model.layers.{i}.self_attn" for i in range(num_layers) if i not in set(swa_layers))
+    groups = [KVCacheGroupSpec(full, FullAttentionSpec(block_size, num_kv_heads, head_size, dtype))]
+    if swa_layers:
+        if sliding_window is None:
+            raise ValueError("sliding_window is required when swa_layers is given")
+        swa = tuple(f"model.layers.{i}.self_attn" for i in swa_layers)
+        groups.append(KVCacheGroupSpec(swa, SlidingWindowSpec(block_size, num_kv_heads, head_size, dtype,
+                                                              sliding_window=sliding_window)))
+    return KVCacheConfig(tuple(groups), num_blocks)
+
+
+def _spec_from_vllm(spec: Any) -> KVCacheSpec:
+    cls = type(spec).__name__
+    block = int(spec.block_size)
+    if "Mamba" in cls:
+        return MambaSpec(block, tuple(tuple(int(d) for d in s) for s in spec.shapes),
+                         tuple(dtype_name(d) for d in spec.dtypes))
+    heads, head, dtype = int(spec.num_kv_heads), int(spec.head_size), dtype_name(spec.dtype)
+    if "MLA" in cls:
+        return MLAAttentionSpec(block, heads, head, dtype)
+    window = getattr(spec, "sliding_window", None)
+    if "SlidingWindow" in cls or window:
+        return SlidingWindowSpec(block, heads, head, dtype, sliding_window=int(window or 0))
+    return FullAttentionSpec(block, heads, head, dtype)
+
+
+def from_vllm(kv_cache_config: Any) -> KVCacheConfig:
+    """Convert a vLLM ``KVCacheConfig`` (any version with ``kv_cache_groups``) to kvtier's model."""
+    if isinstance(kv_cache_config, KVCacheConfig):
+        return kv_cache_config
+    groups = tuple(
+        KVCacheGroupSpec(tuple(g.layer_names), _spec_from_vllm(g.kv_cache_spec))
+        for g in kv_cache_config.kv_cache_groups
+    )
+    return KVCacheConfig(groups, int(getattr(kv_cache_config, "num_blocks", 0)))

@@ -1,0 +1,83 @@
+"""Engine-neutral stand-ins for the engine objects a connector sees (field names as in vLLM 0.33).
+
+The reference engine and unit tests build these; inside vLLM the real objects (same attribute names) are
+passed instead, so connector code reads only the attributes listed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    lora_request: Any = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class KVCacheBlocks:
+    """Allocated blocks of one request: one list of block ids per KV-cache group."""
+
+    block_ids: tuple[list[int], ...]
+
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...]:
+        return self.block_ids
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in self.block_ids))
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] | None = None
+    kv_connector_metadata: Any = None
+
+
+@dataclass
+class KVConnectorOutput:
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    kv_connector_stats: Any = None
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.kv_connector_stats
+                    or self.invalid_block_ids)

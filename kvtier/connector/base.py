@@ -42,7 +42,7 @@ class KVConnectorRole(enum.Enum):
     WORKER = 1
 
 
-class KVConnectorMetadata:  # noqa: B903 - marker type, subclassed per connector
+class KVConnectorMetadata:
     """Per-step plan built by the scheduler half and shipped to the workers. Must pickle."""
 
 

@@ -1,0 +1,262 @@
+"""Control plane: which chunk lives in which tier, space reservations, pins and eviction. No tensors.
+
+Lifecycle of a chunk in one tier::
+
+    prepare_store(tier, [(key, size, parent)])  -> plans; the key is PENDING, its space reserved,
+                                                   victims chosen by the tier's policy (READY, unpinned)
+    complete_store(tier, keys, success)        -> READY (visible to lookup) or forgotten
+    touch / pin / unpin                         -> hits refresh the policy; pins protect in-flight reads
+    remove(tier, keys)                          -> gone (deleted, corrupt, failed load)
+
+A plan list is executed in order by whoever holds the bytes (``TieredStore.execute``): each plan first
+drops its ``evicted`` keys from its tier, then writes ``store`` (from the engine, or moved from ``source``
+for write-back demotion). Shared tiers (Redis) are not tracked: their plans store everything, evict nothing.
+All methods take one lock, so a scheduler thread and an I/O thread may share a directory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvtier.keys import Key
+from kvtier.policy import EvictionPolicy
+
+
+class ChunkState(Enum):
+    PENDING = 1
+    READY = 2
+
+
+@dataclass(frozen=True)
+class TierSlot:
+    """One tier as the directory sees it."""
+
+    name: str
+    capacity_bytes: int
+    policy: EvictionPolicy
+    shared: bool = False
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Store ``store`` in ``tier`` after dropping ``evicted`` from it; ``source``: move from that tier."""
+
+    tier: str
+    store: tuple[Key, ...]
+    evicted: tuple[Key, ...] = ()
+    source: str | None = None
+
+
+@dataclass
+class _Entry:
+    size: int
+    state: ChunkState
+    pins: int = 0
+
+
+@dataclass
+class DirectoryStats:
+    evictions: int = 0
+    demotions: int = 0
+    refused: int = 0
+
+
+@dataclass
+class _TierIndex:
+    slot: TierSlot
+    entries: dict[Key, _Entry] = field(default_factory=dict)
+    used: int = 0
+    protected: set[Key] = field(default_factory=set)  # pinned or pending: never evicted
+
+    def ready(self, key: Key) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.state is ChunkState.READY
+
+    def drop(self, key: Key) -> bool:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return False
+        self.used -= entry.size
+        self.protected.discard(key)
+        self.slot.policy.remove(key)
+        return True
+
+    def refresh(self, key: Key, entry: _Entry) -> None:
+        if entry.pins or entry.state is ChunkState.PENDING:
+            self.protected.add(key)
+        else:
+            self.protected.discard(key)
+
+
+class Directory:
+    """Bookkeeping of every local tier, in tier order (fastest first)."""
+
+    def __init__(self, tiers: Sequence[TierSlot]) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tier names in {names}")
+        self._tiers = {t.name: _TierIndex(t) for t in tiers}
+        self._order = names
+        self._lock = threading.RLock()
+        self.stats = DirectoryStats()
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self._order)
+
+    def is_shared(self, tier: str) -> bool:
+        return self._tiers[tier].slot.shared
+
+    def lookup(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> list[str]:
+        """Tier name (fastest first) holding each chunk of the longest READY prefix in local tiers."""
+        names = [n for n in (tiers or self._order) if not self._tiers[n].slot.shared]
+        indexes = [self._tiers[n] for n in names]
+        found: list[str] = []
+        with self._lock:
+            for key in keys:
+                for index in indexes:
+                    if index.ready(key):
+                        found.append(index.slot.name)
+                        break
+                else:
+                    break
+        return found
+
+    def contains(self, tier: str, key: Key) -> bool:
+        with self._lock:
+            return self._tiers[tier].ready(key)
+
+    def used_bytes(self, tier: str) -> int:
+        return self._tiers[tier].used
+
+    def __len__(self) -> int:
+        return sum(len(t.entries) for t in self._tiers.values())
+
+    def touch(self, tier: str, keys: Iterable[Key]) -> None:
+        index = self._tiers[tier]
+        with self._lock:
+            for key in keys:
+                if index.ready(key):
+                    index.slot.policy.touch(key)
+
+    def pin(self, tier: str, keys: Iterable[Key]) -> None:
+        index = self._tiers[tier]
+        with self._lock:
+            for key in keys:
+                entry = index.entries.get(key)
+                if entry is not None:
+                    entry.pins += 1
+                    index.protected.add(key)
+
+    def unpin(self, tier: str, keys: Iterable[Key]) -> None:
+        index = self._tiers[tier]
+        with self._lock:
+            for key in keys:
+                entry = index.entries.get(key)
+                if entry is not None and entry.pins:
+                    entry.pins -= 1
+                    index.refresh(key, entry)
+
+    def prepare_store(self, tier: str, entries: Sequence[tuple[Key, int, Key | None]],
+                      demote_chain: Sequence[str] = ()) -> list[StorePlan]:
+        """Reserve space in ``tier`` for the keys it lacks; return plans in execution order.
+
+        With a ``demote_chain`` (write-back), victims are moved to the next tier of the chain instead of
+        dropped, recursively. Keys already present or pending are skipped; keys that cannot fit are left out.
+        """
+        with self._lock:
+            return self._prepare(tier, [(k, s, p, None) for k, s, p in entries], list(demote_chain))
+
+    def _prepare(self, tier: str, entries: list[tuple[Key, int, Key | None, str | None]],
+                 chain: list[str]) -> list[StorePlan]:
+        index = self._tiers[tier]
+        if index.slot.shared:
+            return self._group_plans(tier, [(k, src) for k, _, _, src in entries], [])
+        stored: list[tuple[Key, str | None]] = []
+        evicted: list[tuple[Key, int]] = []
+        for key, size, parent, source in entries:
+            if key in index.entries:
+                continue
+            if size > index.slot.capacity_bytes or not self._make_room(index, size, evicted):
+                self.stats.refused += 1
+                continue
+            index.entries[key] = _Entry(size, ChunkState.PENDING)
+            index.protected.add(key)
+            index.used += size
+            index.slot.policy.insert(key, parent)
+            stored.append((key, source))
+        plans: list[StorePlan] = []
+        evicted_keys = [k for k, _ in evicted]
+        if chain and evicted:
+            self.stats.demotions += len(evicted)
+            plans = self._prepare(chain[0], [(k, s, None, tier) for k, s in evicted], chain[1:])
+        return plans + self._group_plans(tier, stored, evicted_keys)
+
+    def _make_room(self, index: _TierIndex, size: int, evicted: list[tuple[Key, int]]) -> bool:
+        capacity = index.slot.capacity_bytes
+        if index.used + size <= capacity:
+            return True
+        protected = index.protected
+        while index.used + size > capacity:
+            victims = index.slot.policy.evict(1, protected)
+            if not victims:
+                return False
+            victim = victims[0]
+            entry = index.entries.pop(victim)
+            index.used -= entry.size
+            evicted.append((victim, entry.size))
+            self.stats.evictions += 1
+        return True
+
+    @staticmethod
+    def _group_plans(tier: str, stored: list[tuple[Key, str | None]], evicted: list[Key]) -> list[StorePlan]:
+        """One plan per source (engine or a source tier), the evictions on the first."""
+        sources: dict[str | None, list[Key]] = {}
+        for key, source in stored:
+            sources.setdefault(source, []).append(key)
+        if not sources:
+            return [StorePlan(tier, (), tuple(evicted))] if evicted else []
+        plans = []
+        for i, (source, keys) in enumerate(sources.items()):
+            plans.append(StorePlan(tier, tuple(keys), tuple(evicted) if i == 0 else (), source))
+        return plans
+
+    def complete_store(self, tier: str, keys: Iterable[Key], success: bool | Sequence[bool] = True) -> None:
+        """Mark pending keys READY, or forget them when their write failed."""
+        index = self._tiers[tier]
+        if index.slot.shared:
+            return
+        keys = list(keys)
+        flags = [success] * len(keys) if isinstance(success, bool) else list(success)
+        with self._lock:
+            for key, ok in zip(keys, flags, strict=True):
+                entry = index.entries.get(key)
+                if entry is None or entry.state is ChunkState.READY:
+                    continue
+                if ok:
+                    entry.state = ChunkState.READY
+                    index.refresh(key, entry)
+                else:
+                    index.drop(key)
+
+    def remove(self, tier: str, keys: Iterable[Key]) -> int:
+        index = self._tiers[tier]
+        with self._lock:
+            return sum(index.drop(key) for key in keys)
+
+    def adopt(self, tier: str, entries: Iterable[tuple[Key, int]]) -> int:
+        """Take over records a persistent tier already holds (READY), as far as capacity allows."""
+        index = self._tiers[tier]
+        adopted = 0
+        with self._lock:
+            for key, size in entries:
+                if key in index.entries or index.used + size > index.slot.capacity_bytes:
+                    continue
+                index.entries[key] = _Entry(size, ChunkState.READY)
+                index.used += size
+                index.slot.policy.insert(key, None)
+                adopted += 1
+        return adopted

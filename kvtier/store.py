@@ -1,0 +1,221 @@
+"""TieredStore: ordered tiers plus the directory, for callers that hold both planes in one process.
+
+Lifecycle: ``store = TieredStore.from_config(cfg)`` -> ``await store.start()`` (starts the tiers, adopts what
+persistent tiers already hold) -> ``lookup`` / ``get`` / ``put`` -> ``await store.close()``.
+
+Control plane: ``self.directory`` (see kvtier.directory). Data plane: ``read`` / ``write`` / ``delete`` /
+``move`` / ``execute`` act on tiers without deciding anything; the connector's worker half uses only these,
+while its scheduler half owns a directory of its own. ``get`` and ``put`` compose both planes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.config import KvtierConfig, WritePolicy
+from kvtier.directory import Directory, StorePlan, TierSlot
+from kvtier.keys import Key
+from kvtier.policy import make_policy
+from kvtier.tiers.base import Tier, TierStats
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The longest available prefix: ``hits`` chunks, ``tiers[i]`` holding chunk ``i``."""
+
+    hits: int
+    tiers: tuple[str, ...]
+
+
+class TieredStore:
+    def __init__(self, tiers: Sequence[Tier], directory: Directory | None = None, *,
+                 write: WritePolicy = WritePolicy.WRITE_BACK, promote_on_hit: bool = True) -> None:
+        self._tiers = {t.name: t for t in tiers}
+        self._order = [t.name for t in tiers]
+        self.directory = directory or Directory(
+            [TierSlot(t.name, t.capacity_bytes, make_policy("lru"), t.is_shared) for t in tiers])
+        self.write_policy = write
+        self.promote_on_hit = promote_on_hit
+
+    @classmethod
+    def from_config(cls, cfg: KvtierConfig, *, hmac_key: bytes | None = None) -> TieredStore:
+        """Build (not start) the tiers and directory a config describes."""
+        from kvtier.tiers import make_tier
+
+        tiers = [make_tier(section, hmac_key=hmac_key) for section in cfg.tiers]
+        return cls(tiers, directory_for(cfg, tiers), write=cfg.policy.write,
+                   promote_on_hit=cfg.policy.promote_on_hit)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self._order)
+
+    def tier(self, name: str) -> Tier:
+        return self._tiers[name]
+
+    async def start(self) -> None:
+        for name in self._order:
+            tier = self._tiers[name]
+            await tier.start()
+            if not tier.is_shared:
+                adopted = self.directory.adopt(name, ((e.key, e.size) for e in tier.entries()))
+                if adopted:
+                    logger.info("tier %s: adopted %d existing records", name, adopted)
+
+    async def close(self) -> None:
+        errors: list[BaseException] = []
+        for tier in self._tiers.values():
+            try:
+                await tier.close()
+            except Exception as exc:  # visit every tier, re-raise once
+                logger.exception("closing tier %s failed", tier.name)
+                errors.append(exc)
+        if errors:
+            raise errors[-1]
+
+    def stats(self) -> dict[str, TierStats]:
+        return {name: self._tiers[name].stats() for name in self._order}
+
+    def _chain(self, tiers: Sequence[str] | None) -> list[str]:
+        return [n for n in self._order if n in tiers] if tiers is not None else list(self._order)
+
+    # ---- composed operations ---------------------------------------------------------------------------
+    def lookup_local(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> LookupResult:
+        """Longest prefix held by local tiers, from the directory alone (no I/O)."""
+        found = self.directory.lookup(keys, self._chain(tiers))
+        return LookupResult(len(found), tuple(found))
+
+    async def lookup(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> LookupResult:
+        """Longest prefix held by any tier: local ones from the directory, shared ones asked."""
+        chain = self._chain(tiers)
+        found = list(self.directory.lookup(keys, chain))
+        shared = [n for n in chain if self._tiers[n].is_shared]
+        rest = list(keys[len(found):])
+        for name in shared:
+            if not rest:
+                break
+            tier = self._tiers[name]
+            present = await tier.contains(rest)
+            tier.stats().lookups += len(rest)
+            run = 0
+            while run < len(present) and present[run]:
+                run += 1
+            found.extend([name] * run)
+            rest = rest[run:]
+            if run < len(present):
+                break
+        for name in set(found):
+            self._tiers[name].stats().hits += found.count(name)
+        return LookupResult(len(found), tuple(found))
+
+    async def get(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> list[torch.Tensor | None]:
+        """Read the longest available prefix of ``keys``; entries past it (or failed reads) are None.
+
+        A chunk read from a slower tier is promoted to the fastest tier of the chain when configured.
+        """
+        chain = self._chain(tiers)
+        result = await self.lookup(keys, chain)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        by_tier: dict[str, list[int]] = {}
+        for i, name in enumerate(result.tiers):
+            by_tier.setdefault(name, []).append(i)
+        for name, positions in by_tier.items():
+            values = await self._read_tracked(name, [keys[i] for i in positions])
+            for i, value in zip(positions, values, strict=True):
+                out[i] = value
+        if self.promote_on_hit and chain:
+            promote = [(keys[i], out[i]) for i, name in enumerate(result.tiers)
+                       if name != chain[0] and out[i] is not None]
+            if promote:
+                await self._store([(k, v) for k, v in promote if v is not None], chain, None, first_only=True)
+        return out
+
+    async def _read_tracked(self, name: str, keys: list[Key]) -> list[torch.Tensor | None]:
+        """Read from one tier with the keys pinned; failed reads leave the directory, hits refresh it."""
+        if self._tiers[name].is_shared:
+            return await self.read(name, keys)
+        self.directory.pin(name, keys)
+        try:
+            values = await self.read(name, keys)
+        finally:
+            self.directory.unpin(name, keys)
+        failed = {k for k, v in zip(keys, values, strict=True) if v is None}
+        if failed:
+            self.directory.remove(name, failed)
+        self.directory.touch(name, [k for k in keys if k not in failed])
+        return values
+
+    async def put(self, items: Sequence[tuple[Key, torch.Tensor]], tiers: Sequence[str] | None = None,
+                  parents: Sequence[Key | None] | None = None) -> int:
+        """Store chunks following the write policy; return how many the first tier accepted."""
+        return await self._store(items, self._chain(tiers), parents,
+                                 first_only=self.write_policy is WritePolicy.WRITE_BACK)
+
+    async def _store(self, items: Sequence[tuple[Key, torch.Tensor]], chain: list[str],
+                     parents: Sequence[Key | None] | None, first_only: bool) -> int:
+        if not chain or not items:
+            return 0
+        parents = parents if parents is not None else [None, *[k for k, _ in items[:-1]]]
+        payloads = {k: v for k, v in items}
+        entries = [(k, self._tiers[chain[0]].stored_size(v.nbytes), p)
+                   for (k, v), p in zip(items, parents, strict=True)]
+        targets = chain[:1] if first_only else chain
+        stored_first = 0
+        for i, name in enumerate(targets):
+            tier_entries = [(k, self._tiers[name].stored_size(payloads[k].nbytes), p) for k, _, p in entries]
+            demote = chain[i + 1:] if first_only else []
+            plans = self.directory.prepare_store(name, tier_entries, demote)
+            done = await self.execute(plans, payloads)
+            if i == 0:
+                stored_first = done.get(name, 0)
+        return stored_first
+
+    # ---- data plane ---------------------------------------------------------------------------------------
+    async def read(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        return await self._tiers[tier].get(keys)
+
+    async def write(self, tier: str, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        return await self._tiers[tier].put(items)
+
+    async def delete(self, tier: str, keys: Sequence[Key]) -> int:
+        return await self._tiers[tier].delete(keys)
+
+    async def move(self, src: str, dst: str, keys: Sequence[Key]) -> list[bool]:
+        """Copy records from ``src`` to ``dst`` (write-back demotion); the caller drops them from ``src``."""
+        values = await self.read(src, keys)
+        present = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
+        written = iter(await self.write(dst, present)) if present else iter(())
+        return [next(written) if v is not None else False for v in values]
+
+    async def execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor]) -> dict[str, int]:
+        """Run store plans in order, completing each in the directory; return stored counts per tier."""
+        stored: dict[str, int] = {}
+        for plan in plans:
+            tier = self._tiers[plan.tier]
+            if plan.evicted:
+                await tier.delete(plan.evicted)
+                tier.stats().evictions += len(plan.evicted)
+            if plan.source is not None:
+                ok = await self.move(plan.source, plan.tier, plan.store)
+            else:
+                ok = await self.write(plan.tier, [(k, payloads[k]) for k in plan.store])
+            self.directory.complete_store(plan.tier, plan.store, ok)
+            stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)
+        return stored
+
+
+def directory_for(cfg: KvtierConfig, tiers: Sequence[Tier]) -> Directory:
+    """A directory with one policy per tier (the tier's own eviction setting, else the global one)."""
+    slots = []
+    for section, tier in zip(cfg.tiers, tiers, strict=True):
+        policy = make_policy(section.eviction or cfg.policy.eviction)
+        slots.append(TierSlot(tier.name, tier.capacity_bytes, policy, tier.is_shared))
+    return Directory(slots)

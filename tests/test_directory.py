@@ -1,0 +1,155 @@
+"""Directory (control plane): reservations, eviction, pins, demotion plans, lookup."""
+
+from __future__ import annotations
+
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.directory import Directory, StorePlan, TierSlot
+from kvtier.policy import make_policy
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def make(*caps: int, shared: tuple[str, ...] = ()) -> Directory:
+    names = ["t0", "t1", "t2", "t3"][: len(caps)]
+    return Directory([TierSlot(n, c, make_policy("lru"), n in shared) for n, c in zip(names, caps, strict=True)])
+
+
+def store(d: Directory, tier: str, keys: list[int], size: int = 10, chain: tuple[str, ...] = ()) -> list[StorePlan]:
+    plans = d.prepare_store(tier, [(k(i), size, None) for i in keys], chain)
+    for p in plans:
+        d.complete_store(p.tier, p.store, True)
+    return plans
+
+
+def test_pending_is_invisible_until_complete() -> None:
+    d = make(100)
+    plans = d.prepare_store("t0", [(k(1), 10, None)])
+    assert plans == [StorePlan("t0", (k(1),))]
+    assert d.lookup([k(1)]) == []
+    d.complete_store("t0", [k(1)], True)
+    assert d.lookup([k(1)]) == ["t0"]
+    assert d.used_bytes("t0") == 10
+
+
+def test_failed_store_is_forgotten_and_space_freed() -> None:
+    d = make(100)
+    d.prepare_store("t0", [(k(1), 40, None), (k(2), 40, None)])
+    d.complete_store("t0", [k(1), k(2)], [True, False])
+    assert d.lookup([k(1), k(2)]) == ["t0"]
+    assert d.used_bytes("t0") == 40
+
+
+def test_lookup_stops_at_first_miss_and_spans_tiers() -> None:
+    d = make(100, 100)
+    store(d, "t0", [1])
+    store(d, "t1", [2, 4])
+    assert d.lookup([k(1), k(2), k(3), k(4)]) == ["t0", "t1"]
+    assert d.lookup([k(1), k(2)], ["t1"]) == []
+
+
+def test_eviction_keeps_capacity_and_uses_policy_order() -> None:
+    d = make(30)
+    store(d, "t0", [1, 2, 3])
+    d.touch("t0", [k(1)])
+    plans = store(d, "t0", [4])
+    assert plans == [StorePlan("t0", (k(4),), (k(2),))]
+    assert d.used_bytes("t0") == 30
+    assert d.lookup([k(1)]) == ["t0"] and d.lookup([k(2)]) == []
+
+
+def test_pinned_and_pending_are_never_evicted() -> None:
+    d = make(20)
+    store(d, "t0", [1])
+    d.pin("t0", [k(1)])
+    d.prepare_store("t0", [(k(2), 10, None)])  # pending
+    plans = d.prepare_store("t0", [(k(3), 10, None)])
+    assert plans == [] and d.stats.refused == 1
+    d.unpin("t0", [k(1)])
+    plans = d.prepare_store("t0", [(k(3), 10, None)])
+    assert plans == [StorePlan("t0", (k(3),), (k(1),))]
+
+
+def test_oversized_record_is_refused() -> None:
+    d = make(10)
+    assert d.prepare_store("t0", [(k(1), 11, None)]) == []
+    assert d.used_bytes("t0") == 0
+
+
+def test_write_back_demotes_victims_down_the_chain() -> None:
+    d = make(20, 20, 100)
+    store(d, "t0", [1, 2], chain=("t1", "t2"))
+    store(d, "t0", [3, 4], chain=("t1", "t2"))
+    assert d.lookup([k(1), k(2), k(3), k(4)]) == ["t1", "t1", "t0", "t0"]
+    plans = store(d, "t0", [5, 6], chain=("t1", "t2"))
+    # deepest first: t2 takes 1,2 from t1; t1 takes 3,4 from t0; t0 takes 5,6 from the engine.
+    assert plans == [
+        StorePlan("t2", (k(1), k(2)), (), "t1"),
+        StorePlan("t1", (k(3), k(4)), (k(1), k(2)), "t0"),
+        StorePlan("t0", (k(5), k(6)), (k(3), k(4)), None),
+    ]
+    assert d.lookup([k(i) for i in range(1, 7)]) == ["t2", "t2", "t1", "t1", "t0", "t0"]
+
+
+def test_shared_tier_is_not_tracked() -> None:
+    d = make(10, 10, shared=("t1",))
+    plans = d.prepare_store("t1", [(k(1), 50, None)])
+    assert plans == [StorePlan("t1", (k(1),))]
+    d.complete_store("t1", [k(1)], True)
+    assert d.lookup([k(1)]) == [] and d.used_bytes("t1") == 0
+
+
+def test_adopt_respects_capacity() -> None:
+    d = make(25)
+    assert d.adopt("t0", [(k(1), 10), (k(2), 10), (k(3), 10)]) == 2
+    assert d.lookup([k(1), k(2)]) == ["t0", "t0"]
+
+
+def test_remove_frees_space() -> None:
+    d = make(100)
+    store(d, "t0", [1, 2])
+    assert d.remove("t0", [k(1), k(9)]) == 1
+    assert d.used_bytes("t0") == 10 and len(d) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "pin", "unpin", "remove", "fail"]),
+                          st.integers(0, 15), st.integers(1, 40)), max_size=80))
+def test_capacity_never_exceeded(ops: list[tuple[str, int, int]]) -> None:
+    d = make(100, 60)
+    for op, key, size in ops:
+        if op == "put":
+            for p in d.prepare_store("t0", [(k(key), size, None)], ("t1",)):
+                d.complete_store(p.tier, p.store, True)
+        elif op == "fail":
+            for p in d.prepare_store("t0", [(k(key), size, None)], ("t1",)):
+                d.complete_store(p.tier, p.store, False)
+        elif op == "pin":
+            d.pin("t0", [k(key)])
+        elif op == "unpin":
+            d.unpin("t0", [k(key)])
+        else:
+            d.remove("t0", [k(key)])
+        assert 0 <= d.used_bytes("t0") <= 100
+        assert 0 <= d.used_bytes("t1") <= 60
+
+
+def test_thread_safety_of_concurrent_stores() -> None:
+    d = make(10_000)
+
+    def worker(base: int) -> None:
+        for i in range(200):
+            for p in d.prepare_store("t0", [(k(base + i), 10, None)]):
+                d.complete_store(p.tier, p.store, True)
+
+    threads = [threading.Thread(target=worker, args=(n * 1000,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert d.used_bytes("t0") == 8000 and len(d) == 800

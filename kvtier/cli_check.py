@@ -1,0 +1,172 @@
+"""Validate a config file and show what each tier holds for a model shape.
+
+Prints every tier's kind and capacity in bytes, and for the model shape (default: Llama-3.1-8B in bfloat16)
+how many chunks and tokens it holds, plus chunk size, policy and placement. ``KVTIER_*`` environment
+variables apply, as they would in the engine (``--no-env`` ignores them). Exit code 0, or 2 with the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvtier.config import (
+    DiskTierConfig,
+    GpuTierConfig,
+    KvtierConfig,
+    RedisTierConfig,
+    load_config,
+    validate_for_layout,
+)
+from kvtier.config_parse import format_duration, format_size
+from kvtier.errors import ConfigError
+from kvtier.layout import DTYPE_SIZES, GroupKind, KVCacheConfig, dtype_name, simple_config
+
+HELP = "validate a config file and show tier capacities in bytes, tokens and chunks"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The KV shape of a plain attention model: bytes per token = 2 x layers x kv_heads x head_size x dtype."""
+
+    layers: int = 32
+    kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    block_size: int = 16
+
+    def layout(self) -> KVCacheConfig:
+        return simple_config(self.layers, self.kv_heads, self.head_size, self.dtype, block_size=self.block_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+
+
+PRESETS: dict[str, ModelShape] = {
+    "llama-3.1-8b": ModelShape(32, 8, 128),
+    "llama-3.1-70b": ModelShape(80, 8, 128),
+    "mistral-7b": ModelShape(32, 8, 128),
+    "qwen2.5-7b": ModelShape(28, 4, 128),
+}
+DEFAULT_SHAPE = "llama-3.1-8b"
+
+
+def parse_model_shape(text: str) -> ModelShape:
+    """``layers=32,kv_heads=8,head_size=128,dtype=bfloat16`` (missing keys from Llama-3.1-8B), or a preset."""
+    text = text.strip()
+    if text.lower() in PRESETS:
+        return PRESETS[text.lower()]
+    shape, hint = PRESETS[DEFAULT_SHAPE], f"e.g. layers=32,kv_heads=8,head_size=128,dtype=bfloat16 or one of " \
+                                          f"{', '.join(PRESETS)}"
+    values: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in asdict(shape):
+            raise ConfigError("--model-shape", f"bad item {item!r}", hint)
+        try:
+            values[key] = dtype_name(value.strip()) if key == "dtype" else int(value)
+        except ValueError as exc:
+            raise ConfigError("--model-shape", f"bad value in {item!r}: {exc}", hint) from None
+        if key != "dtype" and values[key] <= 0:
+            raise ConfigError("--model-shape", f"{key} must be positive", hint)
+    return replace(shape, **values)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvtier check``."""
+    parser.add_argument("config", metavar="CONFIG", help="YAML config file")
+    parser.add_argument("--model-shape", default=DEFAULT_SHAPE, type=str, metavar="SHAPE",
+                        help=f"layers=N,kv_heads=N,head_size=N,dtype=D[,block_size=N] or a preset "
+                             f"({', '.join(PRESETS)}; default {DEFAULT_SHAPE})")
+    parser.add_argument("--json", action="store_true", help="print a JSON report")
+    parser.add_argument("--no-env", action="store_true", help="ignore KVTIER_* environment variables")
+
+
+def _display_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@", 1)
+    return url
+
+
+def _details(tier: Any) -> str:
+    if isinstance(tier, DiskTierConfig):
+        return f"path={tier.path}"
+    if isinstance(tier, RedisTierConfig):
+        ttl = format_duration(tier.ttl) if tier.ttl else "none"
+        return f"url={_display_url(tier.url)} ttl={ttl} timeout={format_duration(tier.timeout)}"
+    if isinstance(tier, GpuTierConfig):
+        return f"device={tier.device}"
+    return ""
+
+
+def report(cfg: KvtierConfig, shape: ModelShape, source: str) -> dict[str, Any]:
+    """What ``kvtier check`` prints, as a dict."""
+    from kvtier.codec import HEADER_SIZE, MAC_BYTES
+
+    chunk_payload = shape.bytes_per_token * cfg.chunk_size
+    record = chunk_payload + HEADER_SIZE + (MAC_BYTES if cfg.security.hmac_key_env else 0)
+    tiers = []
+    for tier in cfg.tiers:
+        chunks = tier.capacity // record
+        groups = [k.value for k in GroupKind if tier.name in cfg.tiers_for(k)]
+        tiers.append({"name": tier.name, "kind": tier.kind.value, "capacity_bytes": tier.capacity,
+                      "capacity": format_size(tier.capacity), "chunks": chunks, "tokens": chunks * cfg.chunk_size,
+                      "compression": tier.compression or "none", "eviction": tier.eviction or cfg.policy.eviction,
+                      "groups": groups, "details": _details(tier)})
+    return {
+        "ok": True, "config": source, "chunk_size": cfg.chunk_size,
+        "model_shape": {**asdict(shape), "bytes_per_token": shape.bytes_per_token,
+                        "bytes_per_chunk": chunk_payload, "bytes_per_record": record},
+        "policy": {"eviction": cfg.policy.eviction, "write": cfg.policy.write.value,
+                   "promote_on_hit": cfg.policy.promote_on_hit},
+        "placement": {k.value: list(cfg.tiers_for(k)) for k in GroupKind},
+        "tiers": tiers,
+    }
+
+
+def render(rep: dict[str, Any]) -> str:
+    """The human-readable report."""
+    shape = rep["model_shape"]
+    lines = [
+        f"{rep['config']}: OK",
+        f"chunk size     {rep['chunk_size']} tokens",
+        f"model shape    layers={shape['layers']} kv_heads={shape['kv_heads']} head_size={shape['head_size']} "
+        f"dtype={shape['dtype']}: {format_size(shape['bytes_per_token'])} per token, "
+        f"{format_size(shape['bytes_per_chunk'])} per chunk "
+        f"(+{shape['bytes_per_record'] - shape['bytes_per_chunk']} B record header)",
+        "policy         " + " ".join(f"{k}={str(v).lower()}" for k, v in rep["policy"].items()),
+        "placement      " + "; ".join(f"{k}: {', '.join(v) or '(not stored)'}" for k, v in rep["placement"].items()),
+        "",
+        f"{'tier':<10} {'kind':<6} {'capacity (bytes)':>30} {'chunks':>10} {'tokens':>12}  details",
+    ]
+    for t in rep["tiers"]:
+        capacity = f"{t['capacity_bytes']} ({t['capacity']})"
+        extra = " ".join(filter(None, [t["details"], f"compression={t['compression']}" if t["compression"] !=
+                                       "none" else "", f"eviction={t['eviction']}"]))
+        lines.append(f"{t['name']:<10} {t['kind']:<6} {capacity:>30} {t['chunks']:>10} {t['tokens']:>12}  {extra}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate ``args.config`` and print the report; 2 with the error on stderr when invalid."""
+    try:
+        shape = parse_model_shape(args.model_shape)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") or k == "KVTIER_CACHE_DIR"}
+        cfg = load_config(args.config, env=env if args.no_env else os.environ)
+        validate_for_layout(cfg, shape.layout())
+    except ConfigError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "config": args.config, "path": exc.path, "error": str(exc)}))
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+    rep = report(cfg, shape, args.config)
+    print(json.dumps(rep, indent=2) if args.json else render(rep))
+    return 0

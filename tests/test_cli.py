@@ -1,0 +1,152 @@
+"""The ``kvtier`` command: the installed console script in a subprocess, and ``main()`` in process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier import cli
+from kvtier.cli_check import ModelShape, parse_model_shape
+from kvtier.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+KVTIER = Path(sys.executable).parent / "kvtier"
+GiB = 1024**3
+
+
+def run_kvtier(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed console script, in the repository root, with a private cache dir."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    full_env.update(env or {})
+    return subprocess.run([str(KVTIER), *args], capture_output=True, text=True, cwd=ROOT, env=full_env,
+                          timeout=120, check=False)
+
+
+@pytest.fixture(scope="module")
+def default_report(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    cache = tmp_path_factory.mktemp("cache")
+    return run_kvtier("check", "configs/default.yaml", env={"KVTIER_CACHE_DIR": str(cache)})
+
+
+def test_console_script_is_installed() -> None:
+    assert KVTIER.exists(), f"{KVTIER} missing: run `pip install -e .[dev]`"
+
+
+def test_check_default_config(default_report: subprocess.CompletedProcess[str]) -> None:
+    out = default_report.stdout
+    assert default_report.returncode == 0, default_report.stderr
+    assert "configs/default.yaml: OK" in out
+    # Llama-3.1-8B bf16: 2*32*8*128*2 = 128 KiB per token; 256-token chunks of 32 MiB (+ record header)
+    assert "128 KiB per token" in out and "32 MiB per chunk" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cpu ", "disk "))}
+    assert rows["cpu"][:3] == ["cpu", "cpu", str(2 * GiB)]
+    assert rows["cpu"][5:7] == ["63", str(63 * 256)]  # 2 GiB / (32 MiB + header) = 63 whole chunks
+    assert rows["disk"][5:7] == ["255", str(255 * 256)]
+    assert "eviction=prefix_lru write=write_back promote_on_hit=true" in out
+    assert default_report.stderr == ""
+
+
+def test_check_json_with_model_shape() -> None:
+    proc = run_kvtier("check", "configs/hybrid.yaml", "--json",
+                      "--model-shape", "layers=28,kv_heads=4,head_size=128,dtype=float16")
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["model_shape"]["bytes_per_token"] == 2 * 28 * 4 * 128 * 2
+    record = rep["model_shape"]["bytes_per_record"]
+    assert record > rep["model_shape"]["bytes_per_chunk"] == 256 * 2 * 28 * 4 * 128 * 2
+    tiers = {t["name"]: t for t in rep["tiers"]}
+    assert tiers["gpu"]["capacity_bytes"] == 4 * GiB
+    assert tiers["gpu"]["chunks"] == 4 * GiB // record and tiers["gpu"]["tokens"] == tiers["gpu"]["chunks"] * 256
+    assert tiers["cpu"]["groups"] == ["full_attention", "sliding_window", "mamba"]
+    assert rep["placement"]["sliding_window"] == ["gpu", "cpu"]
+
+
+def test_check_env_overrides_apply_and_password_is_masked(tmp_path: Path) -> None:
+    env = {"KVTIER_TIERS__CPU__CAPACITY": "4GiB", "KVTIER_TIERS__REDIS__URL": "redis://:hunter2@10.1.1.1:6379/0"}
+    proc = run_kvtier("check", "configs/cpu-disk-redis.yaml", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert str(4 * GiB) in proc.stdout and "10.1.1.1" in proc.stdout
+    assert "hunter2" not in proc.stdout and ":***@" in proc.stdout
+    ignored = run_kvtier("check", "configs/cpu-disk-redis.yaml", "--no-env", "--json", env=env)
+    assert json.loads(ignored.stdout)["tiers"][0]["capacity_bytes"] == 8 * GiB
+
+
+def test_check_broken_file_exits_2_without_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers:\n  - {name: cpu, kind: cpu, capcity: 2GiB}\n")
+    proc = run_kvtier("check", str(bad))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("kvtier: error: tiers[0].capcity: unknown key (did you mean 'capacity'?)")
+    assert "Traceback" not in proc.stderr + proc.stdout
+    as_json = run_kvtier("check", str(bad), "--json")
+    assert as_json.returncode == 2 and json.loads(as_json.stdout)["path"] == "tiers[0].capcity"
+
+
+def test_check_missing_file_and_bad_chunk_size(tmp_path: Path) -> None:
+    proc = run_kvtier("check", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
+    odd = tmp_path / "odd.yaml"
+    odd.write_text("chunk_size: 100\ntiers: [{name: cpu, kind: cpu, capacity: 4GiB}]\n")
+    proc = run_kvtier("check", str(odd))
+    assert proc.returncode == 2 and "chunk_size: 100 is not a multiple of the block size 16" in proc.stderr
+
+
+def test_help_lists_subcommands_and_tolerates_missing_ones() -> None:
+    proc = run_kvtier("--help")
+    assert proc.returncode == 0
+    assert "check" in proc.stdout and "tier capacities" in proc.stdout
+    for name in cli.SUBCOMMANDS:
+        assert name in proc.stdout
+
+
+# ---- in process ------------------------------------------------------------------------------------------
+
+def test_main_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check"]) == 2  # CONFIG is required
+    assert cli.main(["frobnicate"]) == 2
+    assert cli.main([]) == 2
+    assert cli.main(["--version"]) == 0
+    assert "kvtier 0.1.0" in capsys.readouterr().out
+
+
+def test_main_subcommand_not_available(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(cli.SUBCOMMANDS, "ghost", "kvtier.no_such_module")
+    assert cli.main(["ghost"]) == 2
+    assert "subcommand 'ghost' is not available" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "ghost" in out and "(not available)" in out
+
+
+def test_main_imports_only_the_chosen_subcommand(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(cli.SUBCOMMANDS, "ghost", "kvtier.no_such_module")
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    assert cli.main(["check", str(ROOT / "configs" / "cpu.yaml"), "--no-env"]) == 0  # ghost never imported
+
+
+def test_main_reports_kvtier_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers: [{name: a, kind: cpu, capacity: 1GiB}, {name: a, kind: cpu, capacity: 1GiB}]\n")
+    assert cli.main(["check", str(bad), "--no-env"]) == 2
+    assert "kvtier: error: tiers[1].name: duplicate tier name 'a'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("layers=32,kv_heads=8,head_size=128,dtype=bfloat16", ModelShape(32, 8, 128, "bfloat16")),
+    ("layers=80", ModelShape(80, 8, 128)),
+    ("dtype=fp8,block_size=32", ModelShape(32, 8, 128, "float8_e4m3fn", 32)),
+    ("Qwen2.5-7B", ModelShape(28, 4, 128)),
+])
+def test_parse_model_shape(text: str, expected: ModelShape) -> None:
+    assert parse_model_shape(text) == expected
+
+
+@pytest.mark.parametrize("text", ["layers", "heads=8", "layers=0", "layers=x", "dtype=int4"])
+def test_parse_model_shape_rejects(text: str) -> None:
+    with pytest.raises(ConfigError, match="--model-shape"):
+        parse_model_shape(text)

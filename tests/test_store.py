@@ -1,0 +1,137 @@
+"""TieredStore over real cpu and disk tiers: lookup, get with promotion, write-back and write-through."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.config import load_config
+from kvtier.keys import Namespace, chunk_keys
+from kvtier.store import TieredStore
+
+CHUNK = 16
+SHAPE = (2, 2, CHUNK, 2, 8)  # layers, K/V, tokens, heads, head size
+NBYTES = 2 * 2 * CHUNK * 2 * 8 * 4
+
+
+def make_cfg(tmp_path: Path, cpu_chunks: int, disk_chunks: int, write: str = "write_back",
+             eviction: str = "lru", promote: bool = True):  # type: ignore[no-untyped-def]
+    return load_config({
+        "chunk_size": CHUNK,
+        "tiers": [
+            {"name": "cpu", "kind": "cpu", "capacity": cpu_chunks * NBYTES, "slot_bytes": NBYTES},
+            {"name": "disk", "kind": "disk", "capacity": disk_chunks * (NBYTES + 4096), "path": str(tmp_path)},
+        ],
+        "policy": {"eviction": eviction, "write": write, "promote_on_hit": promote},
+    }, env={})
+
+
+def chunks(n: int, seed: int = 0) -> list[tuple[bytes, torch.Tensor]]:
+    keys = chunk_keys(Namespace("test").digest(), list(range(seed, seed + n * CHUNK)), CHUNK)
+    gen = torch.Generator().manual_seed(seed)
+    return [(k, torch.randn(SHAPE, generator=gen)) for k in keys]
+
+
+async def started(cfg) -> TieredStore:  # type: ignore[no-untyped-def]
+    store = TieredStore.from_config(cfg)
+    await store.start()
+    return store
+
+
+async def test_put_get_round_trip(tmp_path: Path) -> None:
+    store = await started(make_cfg(tmp_path, 8, 8))
+    items = chunks(4)
+    assert await store.put(items) == 4
+    result = await store.lookup([k for k, _ in items])
+    assert result.hits == 4 and result.tiers == ("cpu",) * 4
+    got = await store.get([k for k, _ in items])
+    for (_, want), have in zip(items, got, strict=True):
+        assert have is not None and torch.equal(want, have)
+    await store.close()
+
+
+async def test_lookup_is_longest_prefix(tmp_path: Path) -> None:
+    store = await started(make_cfg(tmp_path, 8, 8))
+    items = chunks(4)
+    await store.put([items[0], items[1], items[3]])
+    result = await store.lookup([k for k, _ in items])
+    assert result.hits == 2
+    got = await store.get([k for k, _ in items])
+    assert got[2] is None and got[3] is None
+    await store.close()
+
+
+async def test_write_back_demotes_to_disk_and_promotes_on_hit(tmp_path: Path) -> None:
+    store = await started(make_cfg(tmp_path, 2, 8))
+    items = chunks(4)
+    await store.put(items[:2])
+    await store.put(items[2:])
+    keys = [k for k, _ in items]
+    assert store.lookup_local(keys).tiers == ("disk", "disk", "cpu", "cpu")
+    assert store.tier("cpu").used_bytes() <= store.tier("cpu").capacity_bytes
+    assert len(list(tmp_path.rglob("*.kvt"))) == 2
+    got = await store.get(keys[:1])
+    assert got[0] is not None and torch.equal(got[0], items[0][1])
+    assert store.lookup_local(keys[:1]).tiers == ("cpu",)  # promoted
+    assert store.tier("disk").stats().get_hits >= 1
+    await store.close()
+
+
+async def test_write_through_stores_every_tier(tmp_path: Path) -> None:
+    store = await started(make_cfg(tmp_path, 8, 8, write="write_through"))
+    items = chunks(3)
+    await store.put(items)
+    keys = [k for k, _ in items]
+    assert all(store.directory.contains("disk", k) and store.directory.contains("cpu", k) for k in keys)
+    assert len(list(tmp_path.rglob("*.kvt"))) == 3
+    await store.close()
+
+
+async def test_disk_records_survive_a_restart(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, 8, 8, write="write_through")
+    store = await started(cfg)
+    items = chunks(3, seed=7)
+    await store.put(items)
+    await store.close()
+    again = await started(cfg)
+    keys = [k for k, _ in items]
+    assert again.lookup_local(keys).tiers == ("disk",) * 3
+    got = await again.get(keys)
+    assert all(g is not None and torch.equal(g, w) for g, (_, w) in zip(got, items, strict=True))
+    await again.close()
+
+
+async def test_corrupt_disk_record_is_a_miss_and_forgotten(tmp_path: Path) -> None:
+    store = await started(make_cfg(tmp_path, 1, 8))
+    items = chunks(2)
+    await store.put(items[:1])
+    await store.put(items[1:])  # the first chunk is demoted to disk
+    keys = [k for k, _ in items]
+    assert store.lookup_local(keys).tiers[0] == "disk"
+    path = next(tmp_path.rglob("*.kvt"))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    got = await store.get(keys)
+    assert got[0] is None
+    assert not store.directory.contains("disk", keys[0])
+    assert store.tier("disk").stats().corrupt == 1
+    assert not path.exists()
+    await store.close()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "prefix_lru"])
+async def test_capacity_never_exceeded_under_churn(tmp_path: Path, eviction: str) -> None:
+    store = await started(make_cfg(tmp_path, 3, 5, eviction=eviction))
+    for seed in range(12):
+        await store.put(chunks(2, seed=seed * 100))
+        for name in store.tier_names:
+            tier = store.tier(name)
+            assert tier.used_bytes() <= tier.capacity_bytes
+            assert store.directory.used_bytes(name) <= tier.capacity_bytes
+    disk_files = sum(os.path.getsize(p) for p in tmp_path.rglob("*.kvt"))
+    assert disk_files <= store.tier("disk").capacity_bytes
+    await store.close()

@@ -180,9 +180,10 @@ def _spec_from_vllm(spec: Any) -> KVCacheSpec:
     heads, head, dtype = int(spec.num_kv_heads), int(spec.head_size), dtype_name(spec.dtype)
     if "MLA" in cls:
         return MLAAttentionSpec(block, heads, head, dtype)
-    window = getattr(spec, "sliding_window", None)
-    if "SlidingWindow" in cls or window:
-        return SlidingWindowSpec(block, heads, head, dtype, sliding_window=int(window or 0))
+    if "SlidingWindow" in cls:
+        return SlidingWindowSpec(block, heads, head, dtype, sliding_window=int(spec.sliding_window))
+    # With HMA off vLLM merges sliding-window layers into one FullAttentionSpec that carries
+    # ``sliding_window``; restoring every chunk of such a group is always correct.
     return FullAttentionSpec(block, heads, head, dtype)
 
 

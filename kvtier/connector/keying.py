@@ -1,0 +1,82 @@
+"""Chunk keys per KV-cache group: the namespace of each group and the per-request extra bytes.
+
+The scheduler half computes keys for tensor-parallel rank 0 and ships them in plans; a worker of rank ``r``
+swaps the namespace half of each key for its own (``rank_key``), so every rank stores its own shard under
+its own key while the directory tracks one key per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.config import KvtierConfig
+from kvtier.keys import DIGEST_BYTES, Key, Namespace, chunk_keys
+from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who computed the KV: model, revision, tenant and tensor-parallel shard."""
+
+    model: str
+    revision: str = "main"
+    tenant: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | None = None) -> Identity:
+    """The identity from kvtier's namespace section; the engine's model name when the section leaves it
+    at "default"; the tensor-parallel size from the engine's parallel config."""
+    model = cfg.namespace.model
+    engine_model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+    if model == "default" and engine_model:
+        model = str(engine_model)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    rank = tp_rank if tp_rank is not None else int(getattr(parallel, "rank", 0) or 0) % size
+    return Identity(model, cfg.namespace.revision, cfg.namespace.tenant, rank, size)
+
+
+def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *,
+                    rank: int | None = None) -> bytes:
+    """16-byte namespace digest of one group (for ``rank``, default the identity's rank)."""
+    spec = group.kv_cache_spec
+    ns = Namespace(
+        model=ident.model, revision=ident.revision,
+        kv_dtype=spec.dtype if isinstance(spec, FullAttentionSpec) else "",
+        group=spec.describe(), layer_names=tuple(group.layer_names),
+        tp_rank=ident.tp_rank if rank is None else rank, tp_size=ident.tp_size,
+        chunk_size=chunk_size, tenant=ident.tenant,
+    )
+    return ns.digest()
+
+
+def namespaces(ident: Identity, kcc: KVCacheConfig, chunk_size: int, *, rank: int | None = None) -> list[bytes]:
+    """Namespace digest of every group of ``kcc``, in group order."""
+    return [group_namespace(ident, g, chunk_size, rank=rank) for g in kcc.kv_cache_groups]
+
+
+def request_extra(request: Any) -> bytes:
+    """Bytes that set a request's KV apart beyond its tokens: cache salt and LoRA adapter."""
+    parts: list[str] = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', None) or lora}")
+    return "\x00".join(parts).encode()
+
+
+def request_keys(spaces: Sequence[bytes], token_ids: Sequence[int], chunk_size: int,
+                 extra: bytes) -> list[list[Key]]:
+    """Keys of the full chunks of ``token_ids`` for every group."""
+    return [chunk_keys(ns, token_ids, chunk_size, extra=extra) for ns in spaces]
+
+
+def rank_key(key: Key, namespace: bytes) -> Key:
+    """The same chunk under another namespace digest (another tensor-parallel rank)."""
+    return namespace + key[DIGEST_BYTES:]

@@ -1,0 +1,51 @@
+"""What the scheduler half ships to the workers each step: plain, picklable plans (no tensors, no handles).
+
+Block ids are per KV-cache group, one tuple per chunk in token order; ``NULL_BLOCK`` (0) marks a block the
+worker must leave alone (an out-of-window sliding-window block, or one the engine already holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.connector.base import KVConnectorMetadata
+from kvtier.directory import StorePlan
+from kvtier.keys import Key
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Read ``keys`` of ``group`` from ``tier`` and scatter chunk ``i`` into ``block_ids[i]``."""
+
+    req_id: str
+    group: int
+    tier: str
+    keys: tuple[Key, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    is_async: bool = False
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Gather chunk ``i`` of ``group`` from ``block_ids[i]`` and run ``plans`` (evict / demote, then write)."""
+
+    req_id: str
+    group: int
+    keys: tuple[Key, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    plans: tuple[StorePlan, ...]
+
+    def stored_keys(self) -> list[tuple[str, Key]]:
+        """(tier, key) of every record the plans create, demotions included."""
+        return [(p.tier, k) for p in self.plans for k in p.store]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """One step's plan: loads (sync ones before the forward pass, async ones in the background) and saves."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves)

@@ -1,0 +1,339 @@
+"""Scheduler half of KVTierConnector: the control plane. Decides; never touches tensors.
+
+Per step (vLLM order):
+    get_num_new_matched_tokens(request, n)  lookup: per-group restorable chunks -> hit; cached, no pins
+    update_state_after_alloc(request, blocks, n_ext)  load plan into every group's block ids; pins the chunks
+    build_connector_meta(scheduler_output)  ships this step's loads + save plans for newly full chunks
+then from the workers' output:
+    update_connector_output(output)         finished saves -> complete_store; finished loads -> unpin;
+                                            failed blocks -> their chunks leave the directory
+    request_finished_all_groups(request, ids)  True while the request has saves the workers have not confirmed
+
+Loads from memory tiers are synchronous (done before the forward pass); a request that needs any chunk from
+a slow tier (disk, redis) loads asynchronously and waits for ``finished_recving``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.config import KvtierConfig, TierKind, WritePolicy
+from kvtier.connector.hits import GroupNeed, best_hit, chunk_alignment, hit_limit
+from kvtier.connector.keying import request_extra, request_keys
+from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.directory import Directory, StorePlan
+from kvtier.keys import Key
+from kvtier.layout import GroupKind, KVCacheConfig, SlidingWindowSpec
+from kvtier.runtime import LoopThread
+from kvtier.tiers.base import Tier
+from kvtier.transfer import NULL_BLOCK
+
+logger = logging.getLogger(__name__)
+
+SLOW_KINDS = frozenset({TierKind.DISK, TierKind.REDIS})
+LOOKUP_TIMEOUT_S = 0.25
+
+
+@dataclass
+class _Hit:
+    chunks: int
+    local_tokens: int
+    locations: list[list[str | None]]
+    is_async: bool
+
+
+@dataclass
+class _ReqState:
+    source: Any  # the engine's request (its token list grows with outputs) or its NewRequestData
+    extra: bytes
+    keys: list[list[Key]]
+    block_ids: list[list[int]] = field(default_factory=list)
+    saved_chunks: int = 0
+
+
+def _tokens(source: Any) -> Sequence[int]:
+    """Every token whose KV the engine may compute: prompt and outputs when the request object has them."""
+    tokens = getattr(source, "all_token_ids", None)
+    return tokens if tokens is not None else (source.prompt_token_ids or ())
+
+
+class SchedulerHalf:
+    """Lookups, load plans and save plans over a directory of the local tiers (+ shared tiers for lookups)."""
+
+    def __init__(self, cfg: KvtierConfig, kcc: KVCacheConfig, spaces: Sequence[bytes], *, directory: Directory,
+                 tiers: Mapping[str, Tier], loop: LoopThread | None = None) -> None:
+        chunk_alignment(cfg.chunk_size, [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
+        self.cfg, self.kcc, self.directory = cfg, kcc, directory
+        self._spaces = list(spaces)
+        self._tiers = dict(tiers)
+        self._loop = loop
+        self._kinds = {t.name: t.kind for t in cfg.tiers}
+        self._placement = [tuple(n for n in cfg.tiers_for(g.kind) if n in self._tiers) for g in kcc.kv_cache_groups]
+        self._needs = [GroupNeed(g.kind, g.kv_cache_spec.sliding_window
+                                 if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0)
+                       for g in kcc.kv_cache_groups]
+        self._requests: dict[str, _ReqState] = {}
+        self._hits: dict[str, _Hit] = {}
+        self._step_loads: list[LoadSpec] = []
+        self._sync_pins: list[tuple[str, list[Key]]] = []
+        self._async_pins: dict[str, list[tuple[str, list[Key]]]] = {}
+        self._saving: dict[str, list[tuple[str, Key]]] = {}
+        self._load_blocks: dict[int, tuple[str, Key]] = {}
+        self._req_load_blocks: dict[str, list[int]] = {}
+
+    # ---- lookups ---------------------------------------------------------------------------------------
+    def _state(self, req_id: str, request: Any) -> _ReqState:
+        """Per-request state; chunk keys are computed lazily and kept (lookups repeat every step)."""
+        state = self._requests.get(req_id)
+        if state is None:
+            state = _ReqState(request, request_extra(request), [[] for _ in self._spaces])
+            self._requests[req_id] = state
+        return state
+
+    def _keys(self, state: _ReqState, chunks: int) -> list[list[Key]]:
+        """Keys of at least the first ``chunks`` chunks of every group (fewer if the request is shorter)."""
+        if self._spaces and len(state.keys[0]) < chunks:
+            tokens = list(_tokens(state.source))[:chunks * self.cfg.chunk_size]
+            state.keys = request_keys(self._spaces, tokens, self.cfg.chunk_size, state.extra)
+        return state.keys
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` restorable from the tiers, and whether the load is async."""
+        self._hits.pop(request.request_id, None)
+        if any(need.kind is GroupKind.MAMBA for need in self._needs):
+            return 0, False  # Mamba state is not stored yet: no hit rather than a wrong one
+        state = self._state(request.request_id, request)
+        size = self.cfg.chunk_size
+        all_keys = self._keys(state, hit_limit(len(_tokens(request)), size))
+        limit = min(len(k) for k in all_keys) if all_keys else 0
+        if limit * size <= num_computed_tokens:
+            return 0, False
+        locations = [self._locate(g, keys[:limit]) for g, keys in enumerate(all_keys)]
+        present = [[loc is not None for loc in locs] for locs in locations]
+        chunks = best_hit(self._needs, present, size, limit)
+        if chunks * size <= num_computed_tokens:
+            return 0, False
+        used = {locations[g][i] for g, need in enumerate(self._needs) for i in need.needed(chunks, size)
+                if (i + 1) * size > num_computed_tokens}
+        is_async = any(self._kinds.get(t or "") in SLOW_KINDS for t in used)
+        self._hits[request.request_id] = _Hit(chunks, num_computed_tokens, locations, is_async)
+        return chunks * size - num_computed_tokens, is_async
+
+    def _locate(self, group: int, keys: Sequence[Key]) -> list[str | None]:
+        """The fastest tier of the group's placement holding each key (None: nowhere)."""
+        out: list[str | None] = [None] * len(keys)
+        shared: list[str] = []
+        for name in self._placement[group]:
+            if self.directory.is_shared(name):
+                shared.append(name)
+                continue
+            for i, key in enumerate(keys):
+                if out[i] is None and self.directory.contains(name, key):
+                    out[i] = name
+        for name in shared:
+            missing = [i for i, loc in enumerate(out) if loc is None]
+            if not missing:
+                break
+            for i, ok in zip(missing, self._shared_contains(name, [keys[i] for i in missing]), strict=True):
+                if ok:
+                    out[i] = name
+        return out
+
+    def _shared_contains(self, tier: str, keys: list[Key]) -> list[bool]:
+        if self._loop is None:
+            return [False] * len(keys)
+
+        async def ask() -> list[bool]:
+            return await asyncio.wait_for(self._tiers[tier].contains(keys), LOOKUP_TIMEOUT_S)
+
+        try:
+            return self._loop.run(ask(), timeout=LOOKUP_TIMEOUT_S * 2)
+        except Exception as exc:  # a slow or dead shared tier is a miss, never an engine failure
+            logger.debug("lookup in shared tier %s failed: %r", tier, exc)
+            return [False] * len(keys)
+
+    # ---- load plans ------------------------------------------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of the hit found by the last lookup into the request's allocated blocks."""
+        hit = self._hits.pop(request.request_id, None)
+        if hit is None or num_external_tokens <= 0:
+            return
+        block_ids = blocks.get_block_ids()
+        specs = self._load_specs(request.request_id, hit, block_ids)
+        pins: list[tuple[str, list[Key]]] = []
+        for spec in specs:
+            if not self.directory.is_shared(spec.tier):
+                self.directory.pin(spec.tier, spec.keys)
+                self.directory.touch(spec.tier, spec.keys)
+                pins.append((spec.tier, list(spec.keys)))
+            for key, ids in zip(spec.keys, spec.block_ids, strict=True):
+                for b in ids:
+                    if b != NULL_BLOCK:
+                        self._load_blocks[b] = (spec.tier, key)
+                        self._req_load_blocks.setdefault(request.request_id, []).append(b)
+        if hit.is_async:
+            self._async_pins.setdefault(request.request_id, []).extend(pins)
+        else:
+            self._sync_pins.extend(pins)
+        self._step_loads.extend(specs)
+        state = self._requests.get(request.request_id)
+        if state is not None and not self.cfg.policy.promote_on_hit:
+            state.saved_chunks = max(state.saved_chunks, hit.chunks)
+
+    def _load_specs(self, req_id: str, hit: _Hit, block_ids: Sequence[Sequence[int]]) -> list[LoadSpec]:
+        size = self.cfg.chunk_size
+        state = self._requests[req_id]
+        specs: list[LoadSpec] = []
+        for g, group in enumerate(self.kcc.kv_cache_groups):
+            bs = group.kv_cache_spec.block_size
+            per_chunk = size // bs
+            local_blocks = hit.local_tokens // bs
+            by_tier: dict[str, tuple[list[Key], list[tuple[int, ...]]]] = {}
+            for i in self._needs[g].needed(hit.chunks, size):
+                if (i + 1) * size <= hit.local_tokens:
+                    continue
+                tier = hit.locations[g][i]
+                if tier is None:  # cannot happen for a hit; never plan a load from nowhere
+                    continue
+                ids = tuple(_block_at(block_ids[g], j) if j >= local_blocks else NULL_BLOCK
+                            for j in range(i * per_chunk, (i + 1) * per_chunk))
+                keys, blocks = by_tier.setdefault(tier, ([], []))
+                keys.append(state.keys[g][i])
+                blocks.append(ids)
+            specs.extend(LoadSpec(req_id, g, tier, tuple(k), tuple(b), hit.is_async)
+                         for tier, (k, b) in by_tier.items())
+        return specs
+
+    # ---- save plans ------------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        """This step's loads and the save plans of chunks that become full during it; resets step state."""
+        meta = KVTierMetadata(loads=self._step_loads)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._state(new.req_id, new)
+            state.block_ids = [list(ids) for ids in new.block_ids]
+            self._plan_saves(new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            known = self._requests.get(req_id)
+            if known is None:
+                continue
+            state = known
+            new_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    state.block_ids[g].extend(ids)
+            computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            self._plan_saves(req_id, state, computed, meta)
+        for tier, keys in self._sync_pins:  # synchronous loads run before any later eviction executes
+            self.directory.unpin(tier, keys)
+        self._sync_pins = []
+        self._step_loads = []
+        return meta
+
+    def _plan_saves(self, req_id: str, state: _ReqState, computed: int, meta: KVTierMetadata) -> None:
+        size = self.cfg.chunk_size
+        full = min(computed, len(_tokens(state.source))) // size
+        if full <= state.saved_chunks:
+            return
+        all_keys = self._keys(state, full)
+        for g, group in enumerate(self.kcc.kv_cache_groups):
+            if not self._placement[g] or self._needs[g].kind is GroupKind.MAMBA:
+                continue
+            per_chunk = size // group.kv_cache_spec.block_size
+            chunks = [i for i in range(state.saved_chunks, full)
+                      if _chunk_blocks(state.block_ids, g, i, per_chunk) is not None]
+            if not chunks:
+                continue
+            keys = all_keys[g]
+            nbytes = group.bytes_per_chunk(size)
+            plans = self._prepare(g, [(keys[i], nbytes, keys[i - 1] if i else None) for i in chunks])
+            if not plans:
+                continue
+            engine_keys = {k for p in plans if p.source is None for k in p.store}
+            chosen = [i for i in chunks if keys[i] in engine_keys]
+            blocks = tuple(_chunk_blocks(state.block_ids, g, i, per_chunk) or () for i in chosen)
+            spec = SaveSpec(req_id, g, tuple(keys[i] for i in chosen), blocks, tuple(plans))
+            meta.saves.append(spec)
+            self._saving.setdefault(req_id, []).extend(spec.stored_keys())
+        state.saved_chunks = full
+
+    def _prepare(self, group: int, entries: list[tuple[Key, int, Key | None]]) -> list[StorePlan]:
+        """Store plans of one group's chunks. Write-through: every tier of the placement. Write-back: the first
+        tier, its victims demoted down the chain; chunks it cannot take (its room is pending writes) go to the
+        next tier instead of being lost."""
+        tiers = self._placement[group]
+        plans: list[StorePlan] = []
+        if self.cfg.policy.write is not WritePolicy.WRITE_BACK:
+            for tier in tiers:
+                plans.extend(self.directory.prepare_store(tier, self._sized(tier, entries)))
+            return plans
+        for i, tier in enumerate(tiers):
+            made = self.directory.prepare_store(tier, self._sized(tier, entries), tiers[i + 1:])
+            plans.extend(made)
+            taken = {k for p in made if p.tier == tier and p.source is None for k in p.store}
+            entries = [e for e in entries if e[0] not in taken and not self.directory.contains(tier, e[0])]
+            if not entries:
+                break
+        return plans
+
+    def _sized(self, tier: str, entries: list[tuple[Key, int, Key | None]]) -> list[tuple[Key, int, Key | None]]:
+        cost = self._tiers[tier].stored_size
+        return [(k, cost(n), p) for k, n, p in entries]
+
+    # ---- worker feedback and request end ---------------------------------------------------------------
+    def update_connector_output(self, output: Any) -> None:
+        """Finished saves become READY, finished async loads release their pins, failed chunks are dropped."""
+        for req_id in output.finished_sending or ():
+            done: dict[str, list[Key]] = {}
+            for tier, key in self._saving.pop(req_id, []):
+                done.setdefault(tier, []).append(key)
+            for tier, keys in done.items():
+                self.directory.complete_store(tier, keys, True)
+        for req_id in output.finished_recving or ():
+            for tier, keys in self._async_pins.pop(req_id, []):
+                self.directory.unpin(tier, keys)
+        failed: dict[str, list[Key]] = {}
+        for block in output.invalid_block_ids or ():
+            where = self._load_blocks.pop(block, None)
+            if where is not None and where[1] not in failed.get(where[0], []):
+                failed.setdefault(where[0], []).append(where[1])
+        for tier, keys in failed.items():
+            if not self.directory.is_shared(tier):
+                self.directory.remove(tier, keys)
+            logger.warning("%d chunk(s) failed to load from tier %s; dropped from the directory", len(keys), tier)
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks (True) while saves of the request may still be running on the workers."""
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        for block in self._req_load_blocks.pop(req_id, []):
+            self._load_blocks.pop(block, None)
+        return req_id in self._saving, None
+
+    def close(self) -> None:
+        """Forget per-request state (the directory and tiers belong to the owner)."""
+        self._requests.clear()
+        self._hits.clear()
+
+
+def _block_at(ids: Sequence[int], j: int) -> int:
+    return ids[j] if j < len(ids) else NULL_BLOCK
+
+
+def _chunk_blocks(block_ids: Sequence[Sequence[int]], group: int, chunk: int, per_chunk: int) -> tuple[int, ...] | None:
+    """Block ids of one chunk of a group, or None when any is missing or null (not savable)."""
+    if group >= len(block_ids):
+        return None
+    ids = tuple(block_ids[group][chunk * per_chunk:(chunk + 1) * per_chunk])
+    if len(ids) < per_chunk or NULL_BLOCK in ids:
+        return None
+    return ids

@@ -1,0 +1,256 @@
+"""KVTierConnector: kvtier's connector, engine-neutral. It branches on role and delegates:
+
+* SCHEDULER role -> ``SchedulerHalf`` (kvtier.connector.scheduler): directory of the local tiers, lookups,
+  load and save plans shipped as ``KVTierMetadata``.
+* WORKER role -> ``WorkerHalf`` (kvtier.connector.worker): a ``TieredStore`` holding the bytes; executes plans.
+
+Built by an engine as ``KVTierConnector(vllm_config, role, kv_cache_config)``: kvtier's config comes from
+``vllm_config.kv_transfer_config.kv_connector_extra_config`` (``config_file`` plus override keys). A single
+process (reference engine, benchmarks) builds both halves with ``from_config(cfg, role, kcc, store=...,
+loop=...)`` so that they share one TieredStore: the scheduler half then uses the store's own directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvtier.config import CpuTierConfig, GpuTierConfig, KvtierConfig, load_config
+from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
+from kvtier.connector.keying import identity_from, namespaces
+from kvtier.connector.plans import KVTierMetadata
+from kvtier.connector.scheduler import SchedulerHalf
+from kvtier.connector.worker import WorkerHalf
+from kvtier.errors import ConnectorError
+from kvtier.layout import FullAttentionSpec, GroupKind, KVCacheConfig, KVCacheGroupSpec, dtype_name, from_vllm
+from kvtier.runtime import LoopThread
+from kvtier.store import TieredStore, directory_for
+from kvtier.tiers.base import Tier
+
+logger = logging.getLogger(__name__)
+
+
+def is_scheduler(role: Any) -> bool:
+    """True for the scheduler role of kvtier's or vLLM's ``KVConnectorRole`` (compared by value)."""
+    return int(getattr(role, "value", role)) == KVConnectorRole.SCHEDULER.value
+
+
+def hmac_key(cfg: KvtierConfig) -> bytes | None:
+    """The record-signing key from the environment variable the config names, if any."""
+    var = cfg.security.hmac_key_env
+    value = os.environ.get(var) if var else None
+    if var and not value:
+        raise ConnectorError(f"security.hmac_key_env names {var!r}, which is not set")
+    return value.encode() if value else None
+
+
+def config_from_engine(vllm_config: Any) -> KvtierConfig:
+    """kvtier's config from the engine's ``kv_connector_extra_config`` (``config_file`` + overrides)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+    return load_config(None, overrides=extra)
+
+
+def config_from_vllm_model(vllm_config: Any) -> KVCacheConfig:
+    """A one-group layout from the engine's model and cache config, for schedulers given no KV-cache config."""
+    try:
+        model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+        dtype = cache.cache_dtype if cache.cache_dtype not in (None, "auto") else model.dtype
+        spec = FullAttentionSpec(int(cache.block_size), int(model.get_num_kv_heads(parallel)),
+                                 int(model.get_head_size()), dtype_name(dtype))
+        layers = int(model.get_num_layers(parallel))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ConnectorError("KVTierConnector needs a kv_cache_config, or a vllm_config with model_config, "
+                             f"parallel_config and cache_config to derive one ({exc})") from exc
+    return KVCacheConfig((KVCacheGroupSpec(tuple(f"layer.{i}" for i in range(layers)), spec),))
+
+
+def with_pool_slots(cfg: KvtierConfig, kcc: KVCacheConfig | None) -> KvtierConfig:
+    """Fix the slot size of memory pools that leave it open when groups store records of different sizes.
+
+    A pool otherwise sizes its slots by the first record it receives, which only the worker sees; with a fixed
+    slot the scheduler's directory counts exactly the bytes the worker's pool will use.
+    """
+    if kcc is None:
+        return cfg
+    sizes = {g.bytes_per_chunk(cfg.chunk_size) for g in kcc.kv_cache_groups if g.kind is not GroupKind.MAMBA}
+    if len(sizes) <= 1:
+        return cfg
+    slot = min(sizes)
+    tiers = tuple(dataclasses.replace(t, slot_bytes=slot)
+                  if isinstance(t, (CpuTierConfig, GpuTierConfig)) and t.slot_bytes is None else t
+                  for t in cfg.tiers)
+    return dataclasses.replace(cfg, tiers=tiers)
+
+
+class KVTierConnector(KVConnectorBase, SupportsHMA):
+    """kvtier's multi-tier KV connector (both roles)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *,
+                 kvtier_config: KvtierConfig | None = None, store: TieredStore | None = None,
+                 loop: LoopThread | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kcc = from_vllm(kv_cache_config) if kv_cache_config is not None else None
+        cfg = with_pool_slots(kvtier_config if kvtier_config is not None else config_from_engine(vllm_config), kcc)
+        self.kvtier_config = cfg
+        self._owns_loop = loop is None
+        self._loop = loop or LoopThread("kvtier-connector")
+        self._owns_store = store is None
+        self._store = store
+        self._sched_tiers: list[Tier] = []
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        try:
+            if is_scheduler(role):
+                self._scheduler = self._build_scheduler(cfg, kcc)
+            else:
+                self._worker = self._build_worker(cfg, kcc)
+        except BaseException:
+            self._close_owned()
+            raise
+
+    @classmethod
+    def from_config(cls, cfg: KvtierConfig, role: Any, kv_cache_config: Any, *, store: TieredStore | None = None,
+                    loop: LoopThread | None = None, vllm_config: Any = None) -> KVTierConnector:
+        """Build from a kvtier config directly; pass one started ``store`` (and its ``loop``) to both halves of
+        a single process so that they share the tiers and the directory."""
+        return cls(vllm_config, role, kv_cache_config, kvtier_config=cfg, store=store, loop=loop)
+
+    # ---- construction ----------------------------------------------------------------------------------
+    def _build_scheduler(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> SchedulerHalf:
+        if kcc is None:
+            logger.warning("KVTierConnector got no kv_cache_config: deriving one full-attention group from the "
+                           "model config; pass the engine's KVCacheConfig for hybrid models")
+            kcc = config_from_vllm_model(self._vllm_config)
+        spaces = namespaces(identity_from(cfg, self._vllm_config, tp_rank=0), kcc, cfg.chunk_size)
+        if self._store is not None:
+            tiers = {n: self._store.tier(n) for n in self._store.tier_names}
+            return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop)
+        from kvtier.tiers import make_tier
+
+        built = [make_tier(section, hmac_key=hmac_key(cfg)) for section in cfg.tiers]
+        directory = directory_for(cfg, built)
+        for tier in built:
+            if tier.is_memory:
+                continue  # never allocate pools on the scheduler: only sizes are needed here
+            try:
+                self._loop.run(tier.start())
+            except Exception as exc:  # an unreachable tier is a miss source, not a startup failure
+                logger.warning("tier %s unavailable to the scheduler: %r", tier.name, exc)
+                continue
+            self._sched_tiers.append(tier)
+            if not tier.is_shared:
+                directory.adopt(tier.name, ((e.key, e.size) for e in tier.entries()))
+        return SchedulerHalf(cfg, kcc, spaces, directory=directory, tiers={t.name: t for t in built},
+                             loop=self._loop)
+
+    def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
+        if self._store is None:
+            self._store = TieredStore.from_config(cfg, hmac_key=hmac_key(cfg))
+            self._loop.run(self._store.start())
+        ident = identity_from(cfg, self._vllm_config, tp_rank=self._worker_tp_rank())
+        return WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size)
+
+    def _worker_tp_rank(self) -> int | None:
+        """This worker's tensor-parallel rank (None: from the engine's parallel config). Engine adapters override."""
+        return None
+
+    def _sched(self) -> SchedulerHalf:
+        if self._scheduler is None:
+            raise ConnectorError("scheduler-side method called on a worker-role KVTierConnector")
+        return self._scheduler
+
+    def _work(self) -> WorkerHalf:
+        if self._worker is None:
+            raise ConnectorError("worker-side method called on a scheduler-role KVTierConnector")
+        return self._worker
+
+    # ---- worker side -----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        self._work().start_load_kv(meta if isinstance(meta, KVTierMetadata) else None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: every layer is written by ``wait_for_save``, which gathers all at once."""
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self._work().handle_preemptions()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.stats() if self._worker is not None else None
+
+    # ---- scheduler side --------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished_all_groups(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    # ---- shutdown --------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Flush pending saves, close what this connector owns; visit everything, re-raise once."""
+        errors: list[BaseException] = []
+        for name, step in (("worker", self._worker.close if self._worker else None),
+                           ("scheduler", self._scheduler.close if self._scheduler else None)):
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as exc:
+                logger.exception("closing the %s half failed", name)
+                errors.append(exc)
+        errors.extend(self._close_owned())
+        if errors:
+            raise errors[0]
+
+    def _close_owned(self) -> Sequence[BaseException]:
+        errors: list[BaseException] = []
+        closers = [t.close for t in self._sched_tiers]
+        if self._owns_store and self._store is not None:
+            closers.append(self._store.close)
+        for close in closers:
+            try:
+                self._loop.run(close())
+            except Exception as exc:
+                logger.exception("closing a tier failed")
+                errors.append(exc)
+        self._sched_tiers = []
+        if self._owns_store:
+            self._store = None
+        if self._owns_loop:
+            self._loop.close()
+        return errors

@@ -1,0 +1,311 @@
+"""Worker half of KVTierConnector: the data plane. Executes the scheduler's plans; decides nothing.
+
+Lifecycle:
+    register_kv_caches(kv_caches)         layers -> groups, layout of each group's paged tensors
+  per step:
+    start_load_kv(metadata)               sync loads: read (memory tiers) + scatter before returning;
+                                          async loads: reads start on the I/O loop
+    wait_for_save()                       gather this step's save chunks (the blocks are free to reuse once
+                                          it returns), then evict / demote / write on the I/O loop, in order
+    get_finished(finished_req_ids)        scatter finished async loads; report them (finished_recving) and
+                                          requests whose saves are all done and that have finished
+    get_block_ids_with_load_errors()      blocks whose chunk could not be read (miss, corrupt, dead tier)
+    handle_preemptions()                  waits for every pending save
+    stats() / close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.connector.base import KVConnectorStats
+from kvtier.connector.keying import Identity, namespaces, rank_key
+from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.directory import StorePlan
+from kvtier.errors import ConnectorError
+from kvtier.keys import Key
+from kvtier.layout import FullAttentionSpec, GroupKind, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, dtype_name
+from kvtier.runtime import LoopThread
+from kvtier.transfer import NULL_BLOCK, KVLayout, block_size_of, detect_layout, gather, scatter
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.store import TieredStore
+
+logger = logging.getLogger(__name__)
+
+Reads = list["torch.Tensor | None"]
+
+
+def derive_config(kv_caches: Mapping[str, torch.Tensor]) -> KVCacheConfig:
+    """One full-attention (or MLA) group over every registered layer, from the tensors' shapes."""
+    first = next(iter(kv_caches.values()))
+    layout = detect_layout(first)
+    block = block_size_of(first, layout)
+    dtype = dtype_name(first.dtype)
+    if layout is KVLayout.MLA:
+        spec: FullAttentionSpec = MLAAttentionSpec(block, 1, int(first.shape[2]), dtype)
+    else:
+        spec = FullAttentionSpec(block, int(first.shape[3]), int(first.shape[4]), dtype)
+    blocks = int(first.shape[1] if layout is KVLayout.KV_FIRST else first.shape[0])
+    return KVCacheConfig((KVCacheGroupSpec(tuple(kv_caches), spec),), blocks)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, layout: KVLayout, group: KVCacheGroupSpec) -> None:
+    """Refuse a paged tensor whose block size / heads / head size disagree with its group's spec (another
+    layout, e.g. heads before tokens, would otherwise be read as garbage)."""
+    spec = group.kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec):
+        return
+    if layout is KVLayout.MLA:
+        found: tuple[int, ...] = (int(tensor.shape[1]), int(tensor.shape[2]))
+        wanted: tuple[int, ...] = (spec.block_size, spec.head_size)
+    else:
+        found = tuple(int(d) for d in tensor.shape[2:])
+        wanted = (spec.block_size, spec.num_kv_heads, spec.head_size)
+    if found != wanted:
+        raise ConnectorError(f"layer {name}: paged KV shape {tuple(tensor.shape)} read as {layout} gives "
+                             f"(block, heads, head) {found}, but the KV-cache config says {wanted}; kvtier "
+                             "supports [2, blocks, block, heads, head], [blocks, 2, block, heads, head] and MLA "
+                             "[blocks, block, head]")
+
+
+class _Stats:
+    """Thread-safe counters (loads run on the caller's thread, saves on the I/O loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, float] = {}
+
+    def add(self, **values: float) -> None:
+        with self._lock:
+            for name, value in values.items():
+                self._data[name] = self._data.get(name, 0) + value
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            data, self._data = self._data, {}
+        return data
+
+
+class WorkerHalf:
+    """Moves bytes between the engine's paged KV tensors and a TieredStore, following the plans."""
+
+    def __init__(self, kcc: KVCacheConfig | None, store: TieredStore, loop: LoopThread, *,
+                 identity: Identity | None = None, chunk_size: int = 256, layout: KVLayout | None = None) -> None:
+        self.kcc = kcc
+        self.store = store
+        self._loop = loop
+        self._identity = identity
+        self._chunk_size = chunk_size
+        self._rank_spaces: list[bytes] | None = None
+        self._layout_hint = layout
+        self._layers: list[list[torch.Tensor]] = []
+        self._layouts: list[KVLayout] = []
+        self._meta: KVTierMetadata | None = None
+        self._recving: dict[str, tuple[list[LoadSpec], concurrent.futures.Future[list[Reads]]]] = {}
+        self._saves: dict[str, list[concurrent.futures.Future[None]]] = {}
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+        self._save_lock = asyncio.Lock()
+        self._stats = _Stats()
+
+    # ---- setup -----------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Map every registered layer to its group; groups keep their layers in config order."""
+        if self.kcc is None:
+            logger.warning("no kv_cache_config given: treating all %d layers as one full-attention group",
+                           len(kv_caches))
+            self.kcc = derive_config(kv_caches)
+        self._layers, self._layouts = [], []
+        for group in self.kcc.kv_cache_groups:
+            layers = [kv_caches[n] for n in group.layer_names if n in kv_caches]
+            missing = len(group.layer_names) - len(layers)
+            if missing:
+                logger.warning("%d layer(s) of a %s group have no registered KV tensor", missing, group.kind)
+            if group.kind is GroupKind.MAMBA:  # never loaded or saved (the scheduler plans no Mamba work)
+                self._layers.append([])
+                self._layouts.append(KVLayout.KV_FIRST)
+                continue
+            layout = self._layout_hint or (detect_layout(layers[0]) if layers else KVLayout.KV_FIRST)
+            for name, tensor in zip(group.layer_names, layers, strict=False):
+                _check_shape(name, tensor, layout, group)
+            self._layers.append(layers)
+            self._layouts.append(layout)
+        if self._identity is not None and self._identity.tp_rank != 0:
+            self._rank_spaces = namespaces(self._identity, self.kcc, self._chunk_size)
+
+    def _key(self, group: int, key: Key) -> Key:
+        if self._rank_spaces is None:
+            return key
+        return rank_key(key, self._rank_spaces[group])
+
+    def _plan(self, group: int, plan: StorePlan) -> StorePlan:
+        if self._rank_spaces is None:
+            return plan
+        return StorePlan(plan.tier, tuple(self._key(group, k) for k in plan.store),
+                         tuple(self._key(group, k) for k in plan.evicted), plan.source)
+
+    # ---- loads -----------------------------------------------------------------------------------------
+    def start_load_kv(self, metadata: KVTierMetadata | None) -> None:
+        """Run this step's synchronous loads now; start the asynchronous ones on the I/O loop."""
+        if self._meta is not None and self._meta.saves:
+            self.wait_for_save()  # a previous step's saves that nothing flushed yet go first
+        self._meta = metadata
+        if metadata is None or not metadata.loads:
+            return
+        sync = [s for s in metadata.loads if not s.is_async]
+        if sync:
+            t0 = time.perf_counter()
+            try:
+                results = self._loop.run(self._read_all(sync))
+            except Exception as exc:  # a dead tier fails the load, not the engine
+                logger.warning("synchronous load failed: %r", exc)
+                results = [[None] * len(s.keys) for s in sync]
+            self._apply(sync, results)
+            self._stats.add(load_seconds=time.perf_counter() - t0)
+        by_req: dict[str, list[LoadSpec]] = {}
+        for spec in metadata.loads:
+            if spec.is_async:
+                by_req.setdefault(spec.req_id, []).append(spec)
+        for req_id, specs in by_req.items():
+            self._recving[req_id] = (specs, self._loop.submit(self._read_all(specs)))
+
+    async def _read_all(self, specs: Sequence[LoadSpec]) -> list[Reads]:
+        reads = [self.store.read(s.tier, [self._key(s.group, k) for k in s.keys]) for s in specs]
+        return list(await asyncio.gather(*reads))
+
+    def _apply(self, specs: Sequence[LoadSpec], results: Sequence[Reads]) -> None:
+        """Scatter what was read, one batched scatter per group; blocks of failed chunks become errors."""
+        per_group: dict[int, tuple[list[tuple[int, ...]], list[torch.Tensor]]] = {}
+        for spec, values in zip(specs, results, strict=True):
+            hits = 0
+            for ids, value in zip(spec.block_ids, values, strict=True):
+                if value is None:
+                    self._errors.update(b for b in ids if b != NULL_BLOCK)
+                    continue
+                blocks, payloads = per_group.setdefault(spec.group, ([], []))
+                blocks.append(ids)
+                payloads.append(value)
+                hits += 1
+                self._stats.add(load_bytes=value.numel() * value.element_size())
+            self._stats.add(load_chunks=hits, load_failures=len(values) - hits, **{f"hits_{spec.tier}": hits})
+        for group, (blocks, payloads) in per_group.items():
+            try:
+                scatter(self._layers[group], blocks, self._layouts[group], payloads)
+            except (ValueError, RuntimeError, IndexError) as exc:  # wrong shape/dtype: a bad record
+                logger.warning("loading %d chunk(s) into group %d failed: %s", len(blocks), group, exc)
+                self._errors.update(b for ids in blocks for b in ids if b != NULL_BLOCK)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Synchronous loads are complete when ``start_load_kv`` returns; nothing to wait for per layer."""
+
+    # ---- saves -----------------------------------------------------------------------------------------
+    def wait_for_save(self) -> None:
+        """Gather this step's save chunks now; write them to memory tiers at once when nothing is queued ahead
+        (a copy, no I/O to hide), else in the background in step order."""
+        meta, self._meta = self._meta, None
+        if meta is None or not meta.saves:
+            return
+        t0 = time.perf_counter()
+        payloads = self._gather(meta.saves)
+        self._stats.add(save_gather_seconds=time.perf_counter() - t0)
+        for spec in meta.saves:
+            items = {self._key(spec.group, k): payloads[(spec.group, k)] for k in spec.keys}
+            plans = [self._plan(spec.group, p) for p in spec.plans]
+            future = self._loop.submit(self._execute(plans, items))
+            if self._memory_only(plans) and not self._saving():
+                future.result()
+            self._saves.setdefault(spec.req_id, []).append(future)
+
+    def _memory_only(self, plans: Sequence[StorePlan]) -> bool:
+        return all(p.source is None and self.store.tier(p.tier).is_memory for p in plans)
+
+    def _saving(self) -> bool:
+        return any(not f.done() for futures in self._saves.values() for f in futures)
+
+    def _gather(self, saves: Sequence[SaveSpec]) -> dict[tuple[int, Key], torch.Tensor]:
+        """One batched gather per group over every chunk any request saves this step."""
+        per_group: dict[int, tuple[list[Key], list[tuple[int, ...]]]] = {}
+        for spec in saves:
+            keys, blocks = per_group.setdefault(spec.group, ([], []))
+            keys.extend(spec.keys)
+            blocks.extend(spec.block_ids)
+        out: dict[tuple[int, Key], torch.Tensor] = {}
+        for group, (keys, blocks) in per_group.items():
+            if not keys:
+                continue
+            layers = self._layers[group]
+            # host copies: a step's saves must not hold device memory while tiers write them
+            data = gather(layers, blocks, self._layouts[group], device="cpu" if layers[0].is_cuda else None)
+            out.update(((group, k), data[i]) for i, k in enumerate(keys))
+        return out
+
+    async def _execute(self, plans: Sequence[StorePlan], items: Mapping[Key, torch.Tensor]) -> None:
+        async with self._save_lock:  # plans run in step order: an eviction never overtakes an earlier write
+            t0 = time.perf_counter()
+            try:
+                stored = await self.store.execute(plans, items)
+            except Exception as exc:  # a failed save is a future miss, never an engine failure
+                logger.warning("save failed: %r", exc)
+                self._stats.add(save_failures=len(items))
+                return
+            nbytes = sum(t.numel() * t.element_size() for t in items.values())
+            self._stats.add(save_chunks=sum(stored.values()), save_bytes=nbytes,
+                            save_seconds=time.perf_counter() - t0)
+
+    def handle_preemptions(self) -> None:
+        """Wait until every pending save is done (the preempted blocks are about to be reused)."""
+        if self._meta is not None and self._meta.saves:
+            self.wait_for_save()
+        pending = [f for futures in self._saves.values() for f in futures]
+        concurrent.futures.wait(pending)
+
+    # ---- reports ---------------------------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose saves are done and that have finished, requests whose async loads are done)."""
+        if self._meta is not None and self._meta.saves:
+            self.wait_for_save()  # steps without a forward pass skip wait_for_save
+        recving: set[str] = set()
+        for req_id, (specs, future) in list(self._recving.items()):
+            if not future.done():
+                continue
+            del self._recving[req_id]
+            try:
+                results = future.result()
+            except Exception as exc:
+                logger.warning("asynchronous load of %s failed: %r", req_id, exc)
+                results = [[None] * len(s.keys) for s in specs]
+            self._apply(specs, results)
+            recving.add(req_id)
+        self._finished |= {r for r in finished_req_ids if r in self._saves}
+        sending: set[str] = set()
+        for req_id in list(self._finished):
+            if all(f.done() for f in self._saves[req_id]):
+                sending.add(req_id)
+                self._finished.discard(req_id)
+                del self._saves[req_id]
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def stats(self) -> KVConnectorStats | None:
+        data = self._stats.take()
+        return KVConnectorStats(data=data) if data else None
+
+    def close(self) -> None:
+        """Wait for pending saves, abandon pending loads."""
+        pending = [f for futures in self._saves.values() for f in futures]
+        concurrent.futures.wait(pending, timeout=30)
+        for _, future in self._recving.values():
+            future.cancel()
+        self._recving.clear()

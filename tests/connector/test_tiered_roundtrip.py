@@ -1,0 +1,197 @@
+"""Both halves of KVTierConnector in one process, driven in vLLM's call order: request A's paged KV is saved,
+request B sharing the prefix hits, and the worker loads it into B's (different) blocks bit for bit.
+
+The halves talk only through pickled metadata and ``KVConnectorOutput``, as across vLLM's process boundary.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+
+import torch
+
+from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, WritePolicy
+from kvtier.connector.base import KVConnectorRole
+from kvtier.connector.tiered import KVTierConnector
+from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
+from kvtier.layout import KVCacheConfig, simple_config
+from kvtier.runtime import LoopThread
+from kvtier.store import TieredStore
+
+C, BS, NUM_BLOCKS = 8, 4, 64
+KCC = simple_config(3, 2, 4, dtype="float32", block_size=BS, sliding_window=8, swa_layers=[1], num_blocks=NUM_BLOCKS)
+PREFIX = list(range(500, 532))  # 4 chunks
+A_TOKENS = [*PREFIX, *range(900, 909)]  # 41 tokens
+B_TOKENS = [*PREFIX, *range(700, 709)]
+A_BLOCKS = (list(range(1, 12)), list(range(12, 23)))
+B_BLOCKS = (list(range(30, 41)), [0, 0, 0, 0, 0, 0, 47, 48, 49, 50, 51])  # SWA: out-of-window blocks null
+
+
+def cfg_for(tmp: Path, tiers: tuple[str, ...] = ("cpu", "disk")) -> KvtierConfig:
+    all_tiers = {"cpu": CpuTierConfig("cpu", 1 << 20), "disk": DiskTierConfig("disk", 1 << 22, path=str(tmp))}
+    return KvtierConfig(chunk_size=C, tiers=tuple(all_tiers[t] for t in tiers),
+                        policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_THROUGH))
+
+
+def paged(kcc: KVCacheConfig, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(2, NUM_BLOCKS, BS, 2, 4, generator=g)
+            for group in kcc.kv_cache_groups for name in group.layer_names}
+
+
+def step(sched: KVTierConnector, work: KVTierConnector, out: SchedulerOutput) -> KVConnectorOutput:
+    """One engine step: schedule -> worker (bind, load, save, report) -> scheduler learns the output."""
+    meta = pickle.loads(pickle.dumps(sched.build_connector_meta(out)))
+    work.bind_connector_metadata(meta)
+    work.start_load_kv(None)
+    work.wait_for_save()
+    sending, recving = work.get_finished(out.finished_req_ids)
+    result = KVConnectorOutput(sending, recving, work.get_kv_connector_stats(), work.get_block_ids_with_load_errors())
+    work.clear_connector_metadata()
+    result = pickle.loads(pickle.dumps(result))
+    if not result.is_empty():
+        sched.update_connector_output(result)
+    return result
+
+
+def new_req(req: Request, blocks: tuple[list[int], ...], computed: int) -> SchedulerOutput:
+    return SchedulerOutput(scheduled_new_reqs=[NewRequestData(req.request_id, req.prompt_token_ids, blocks, computed)],
+                           num_scheduled_tokens={req.request_id: req.num_tokens - computed})
+
+
+def save_request_a(sched: KVTierConnector, work: KVTierConnector) -> None:
+    a = Request("A", A_TOKENS)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    sched.update_state_after_alloc(a, KVCacheBlocks(A_BLOCKS), 0)
+    step(sched, work, new_req(a, A_BLOCKS, 0))
+    assert sched.request_finished_all_groups(a, A_BLOCKS) == (True, None)
+    work.handle_preemptions(None)  # flush: every save of A is done
+    out = step(sched, work, SchedulerOutput(finished_req_ids={"A"}))
+    assert out.finished_sending == {"A"}
+
+
+def assert_loaded(kv_a: dict[str, torch.Tensor], kv_b: dict[str, torch.Tensor], hit_blocks: int) -> None:
+    full, swa = KCC.kv_cache_groups
+    for name in full.layer_names:  # every block of the hit
+        assert torch.equal(kv_b[name][:, B_BLOCKS[0][:hit_blocks]], kv_a[name][:, A_BLOCKS[0][:hit_blocks]])
+    for name in swa.layer_names:  # only the window before the hit point
+        assert torch.equal(kv_b[name][:, B_BLOCKS[1][6:hit_blocks]], kv_a[name][:, A_BLOCKS[1][6:hit_blocks]])
+
+
+def test_roundtrip_from_memory_tier_is_synchronous(tmp_path: Path) -> None:
+    cfg = cfg_for(tmp_path)
+    sched = KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
+    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
+    try:
+        kv = paged(KCC, seed=1)
+        work.register_kv_caches(kv)
+        save_request_a(sched, work)
+        b = Request("B", B_TOKENS)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, False)
+        sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 4 * C)
+        null_before = {n: t[:, 0].clone() for n, t in kv.items()}
+        out = step(sched, work, new_req(b, B_BLOCKS, 4 * C))
+        assert not out.invalid_block_ids
+        assert out.kv_connector_stats.data["hits_cpu"] == 4 + 1  # 4 full-attention chunks + 1 window chunk
+        assert_loaded(kv, kv, 8)
+        assert all(torch.equal(kv[n][:, 0], null_before[n]) for n in kv)
+    finally:
+        sched.shutdown()
+        work.shutdown()
+
+
+def test_roundtrip_after_restart_loads_asynchronously_from_disk(tmp_path: Path) -> None:
+    cfg = cfg_for(tmp_path)
+    sched = KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
+    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
+    kv_a = paged(KCC, seed=2)
+    work.register_kv_caches(kv_a)
+    save_request_a(sched, work)
+    sched.shutdown()
+    work.shutdown()
+    # A new engine over the same disk directory: the cpu pool is empty, the disk records are adopted.
+    sched = KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
+    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
+    try:
+        kv_b = paged(KCC, seed=3)
+        work.register_kv_caches(kv_b)
+        b = Request("B", B_TOKENS)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)
+        sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 4 * C)
+        received: set[str] = set()
+        for _ in range(500):
+            out = step(sched, work, SchedulerOutput())
+            assert not out.invalid_block_ids
+            received |= out.finished_recving or set()
+            if received:
+                break
+            time.sleep(0.01)
+        assert received == {"B"}
+        sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 0)  # second call: no-op
+        step(sched, work, new_req(b, B_BLOCKS, 4 * C))
+        assert_loaded(kv_a, kv_b, 8)
+    finally:
+        sched.shutdown()
+        work.shutdown()
+
+
+def test_shared_store_in_one_process(tmp_path: Path) -> None:
+    cfg = cfg_for(tmp_path, ("cpu",))
+    loop = LoopThread()
+    store = TieredStore.from_config(cfg)
+    loop.run(store.start())
+    sched = KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC, store=store, loop=loop)
+    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, KCC, store=store, loop=loop)
+    try:
+        kv = paged(KCC, seed=4)
+        work.register_kv_caches(kv)
+        save_request_a(sched, work)
+        b = Request("B", B_TOKENS)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, False)
+        sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 4 * C)
+        step(sched, work, new_req(b, B_BLOCKS, 4 * C))
+        assert_loaded(kv, kv, 8)
+    finally:
+        sched.shutdown()
+        work.shutdown()
+        loop.run(store.close())
+        loop.close()
+
+
+def test_write_back_demotes_to_disk_and_loads_from_both(tmp_path: Path) -> None:
+    kcc = simple_config(2, 2, 4, dtype="float32", block_size=BS, num_blocks=NUM_BLOCKS)
+    cfg = KvtierConfig(chunk_size=C, tiers=(CpuTierConfig("cpu", 2 * 4096),  # two 4 KiB slots
+                                            DiskTierConfig("disk", 1 << 22, path=str(tmp_path))),
+                       policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_BACK))
+    sched = KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, kcc)
+    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, kcc)
+    try:
+        kv = paged(kcc, seed=5)
+        work.register_kv_caches(kv)
+        a = Request("A", A_TOKENS)
+        sched.get_num_new_matched_tokens(a, 0)
+        meta_out = new_req(a, (A_BLOCKS[0],), 0)
+        step(sched, work, meta_out)
+        assert sched.request_finished(a, A_BLOCKS[0]) == (True, None)
+        work.handle_preemptions(None)
+        assert step(sched, work, SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
+        b = Request("B", B_TOKENS)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)  # part of it now lives on disk
+        sched.update_state_after_alloc(b, KVCacheBlocks((B_BLOCKS[0],)), 4 * C)
+        tiers_used: set[str] = set()
+        for _ in range(500):
+            out = step(sched, work, SchedulerOutput())
+            assert not out.invalid_block_ids
+            if out.kv_connector_stats:
+                tiers_used |= {k for k in out.kv_connector_stats.data if k.startswith("hits_")}
+            if out.finished_recving:
+                break
+            time.sleep(0.01)
+        assert tiers_used == {"hits_cpu", "hits_disk"}
+        for name in kcc.kv_cache_groups[0].layer_names:
+            assert torch.equal(kv[name][:, B_BLOCKS[0][:8]], kv[name][:, A_BLOCKS[0][:8]])
+    finally:
+        sched.shutdown()
+        work.shutdown()

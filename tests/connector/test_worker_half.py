@@ -1,0 +1,251 @@
+"""KVTierConnector's worker half: load errors from a corrupt or deleted disk record, finished reports, preemption
+flush, layouts, pickling of metadata and stats. Real cpu and disk tiers; the scheduler half writes the plans.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, WritePolicy
+from kvtier.connector.base import KVConnectorRole
+from kvtier.connector.keying import identity_from, namespaces, request_keys
+from kvtier.connector.tiered import KVTierConnector
+from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
+from kvtier.errors import ConnectorError
+from kvtier.layout import simple_config
+
+C, BS, NB = 8, 4, 48
+KCC = simple_config(2, 2, 4, dtype="bfloat16", block_size=BS, num_blocks=NB)
+TOKENS = list(range(40))  # 5 chunks: a hit may cover all 4 before the last token's chunk... up to 39 tokens
+A_IDS = list(range(1, 11))
+B_IDS = list(range(20, 30))
+
+
+def make_cfg(tmp: Path, tiers: tuple[str, ...] = ("disk",)) -> KvtierConfig:
+    sections = {"cpu": CpuTierConfig("cpu", 1 << 20), "disk": DiskTierConfig("disk", 1 << 22, path=str(tmp))}
+    return KvtierConfig(chunk_size=C, tiers=tuple(sections[t] for t in tiers),
+                        policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_THROUGH))
+
+
+def paged(seed: int, layout: str = "kv_first") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, NB, BS, 2, 4) if layout == "kv_first" else (NB, 2, BS, 2, 4)
+    return {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n in KCC.kv_cache_groups[0].layer_names}
+
+
+class Engine:
+    """Drives both halves like vLLM's scheduler and model runner (metadata and outputs pickled)."""
+
+    def __init__(self, cfg: KvtierConfig, kv: dict[str, torch.Tensor]) -> None:
+        self.sched = KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
+        self.work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
+        self.work.register_kv_caches(kv)
+
+    def step(self, out: SchedulerOutput, *, save: bool = True) -> KVConnectorOutput:
+        meta = pickle.loads(pickle.dumps(self.sched.build_connector_meta(out)))
+        self.work.bind_connector_metadata(meta)
+        self.work.start_load_kv(None)
+        if save:
+            self.work.wait_for_save()
+        sending, recving = self.work.get_finished(out.finished_req_ids)
+        result = KVConnectorOutput(sending, recving, self.work.get_kv_connector_stats(),
+                                   self.work.get_block_ids_with_load_errors())
+        self.work.clear_connector_metadata()
+        if not result.is_empty():
+            self.sched.update_connector_output(result)
+        return result
+
+    def run_prefill(self, req: Request, ids: list[int], computed: int = 0, *, save: bool = True) -> KVConnectorOutput:
+        return self.step(SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData(req.request_id, req.prompt_token_ids, (ids,), computed)],
+            num_scheduled_tokens={req.request_id: req.num_tokens - computed}), save=save)
+
+    def close(self) -> None:
+        self.sched.shutdown()
+        self.work.shutdown()
+
+
+def store_a(tmp: Path, kv: dict[str, torch.Tensor]) -> None:
+    eng = Engine(make_cfg(tmp), kv)
+    try:
+        a = Request("A", TOKENS)
+        eng.sched.get_num_new_matched_tokens(a, 0)
+        eng.run_prefill(a, A_IDS)
+        eng.sched.request_finished(a, A_IDS)
+        eng.work.handle_preemptions(None)
+        assert eng.step(SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
+    finally:
+        eng.close()
+
+
+def disk_file(tmp: Path, chunk: int) -> Path:
+    spaces = namespaces(identity_from(make_cfg(tmp), None, tp_rank=0), KCC, C)
+    key = request_keys(spaces, TOKENS, C, b"")[0][chunk]
+    return next(tmp.rglob(key.hex() + ".kvt"))
+
+
+def load_b_async(eng: Engine) -> tuple[set[int], set[str]]:
+    b = Request("B", TOKENS)
+    hit, is_async = eng.sched.get_num_new_matched_tokens(b, 0)
+    assert (hit, is_async) == (4 * C, True)
+    eng.sched.update_state_after_alloc(b, KVCacheBlocks((B_IDS,)), hit)
+    errors: set[int] = set()
+    received: set[str] = set()
+    for _ in range(500):
+        out = eng.step(SchedulerOutput())
+        errors |= out.invalid_block_ids
+        received |= out.finished_recving or set()
+        if received:
+            return errors, received
+        time.sleep(0.01)
+    raise AssertionError("the asynchronous load never finished")
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "delete"])
+def test_damaged_disk_record_reports_its_blocks(tmp_path: Path, damage: str) -> None:
+    kv_a = paged(1)
+    store_a(tmp_path, kv_a)
+    kv_b = paged(2)
+    eng = Engine(make_cfg(tmp_path), kv_b)  # adopts A's records, then one goes bad behind its back
+    path = disk_file(tmp_path, 2)
+    if damage == "corrupt":
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+    try:
+        errors, received = load_b_async(eng)
+        assert received == {"B"}  # reported even though part of it failed
+        assert errors == {B_IDS[4], B_IDS[5]}  # chunk 2's blocks: the engine recomputes them
+        for n in kv_a:
+            assert torch.equal(kv_b[n][:, B_IDS[:4]], kv_a[n][:, A_IDS[:4]])
+            assert torch.equal(kv_b[n][:, B_IDS[6:8]], kv_a[n][:, A_IDS[6:8]])
+        # the failed chunk left the directory: the next lookup stops before it
+        assert eng.sched.get_num_new_matched_tokens(Request("C", TOKENS), 0) == (2 * C, True)
+    finally:
+        eng.close()
+
+
+def test_blocks_first_layout_roundtrip(tmp_path: Path) -> None:
+    kv = paged(3, layout="blocks_first")
+    eng = Engine(make_cfg(tmp_path, ("cpu",)), kv)
+    try:
+        a = Request("A", TOKENS)
+        eng.sched.get_num_new_matched_tokens(a, 0)
+        eng.run_prefill(a, A_IDS)
+        eng.sched.request_finished(a, A_IDS)
+        eng.work.handle_preemptions(None)
+        eng.step(SchedulerOutput(finished_req_ids={"A"}))
+        b = Request("B", TOKENS)
+        assert eng.sched.get_num_new_matched_tokens(b, 0) == (4 * C, False)
+        eng.sched.update_state_after_alloc(b, KVCacheBlocks((B_IDS,)), 4 * C)
+        eng.run_prefill(b, B_IDS, 4 * C)
+        for n in kv:
+            assert torch.equal(kv[n][B_IDS[:8]], kv[n][A_IDS[:8]])
+    finally:
+        eng.close()
+
+
+def test_finished_sending_waits_for_finish_and_saves(tmp_path: Path) -> None:
+    eng = Engine(make_cfg(tmp_path, ("cpu",)), paged(4))
+    try:
+        a = Request("A", TOKENS)
+        eng.sched.get_num_new_matched_tokens(a, 0)
+        out = eng.run_prefill(a, A_IDS)
+        assert out.finished_sending is None  # saves may be done, but A has not finished
+        assert out.kv_connector_stats is not None
+        assert eng.sched.request_finished(a, A_IDS) == (True, None)
+        eng.work.handle_preemptions(None)
+        assert eng.step(SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
+        assert eng.step(SchedulerOutput()).finished_sending is None  # reported once
+    finally:
+        eng.close()
+
+
+def test_saves_of_a_step_without_forward_run_at_get_finished(tmp_path: Path) -> None:
+    eng = Engine(make_cfg(tmp_path, ("cpu",)), paged(5))
+    try:
+        a = Request("A", TOKENS)
+        eng.sched.get_num_new_matched_tokens(a, 0)
+        eng.run_prefill(a, A_IDS, save=False)
+        eng.work.handle_preemptions(None)
+        eng.sched.request_finished(a, A_IDS)
+        assert eng.step(SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
+        assert eng.sched.get_num_new_matched_tokens(Request("B", TOKENS), 0) == (4 * C, False)
+    finally:
+        eng.close()
+
+
+def test_metadata_and_stats_pickle(tmp_path: Path) -> None:
+    eng = Engine(make_cfg(tmp_path, ("cpu",)), paged(6))
+    try:
+        a = Request("A", TOKENS)
+        eng.sched.get_num_new_matched_tokens(a, 0)
+        out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("A", TOKENS, (A_IDS,), 0)],
+                              num_scheduled_tokens={"A": 40})
+        meta = eng.sched.build_connector_meta(out)
+        assert pickle.loads(pickle.dumps(meta)) == meta
+        eng.work.bind_connector_metadata(meta)
+        eng.work.start_load_kv(None)
+        eng.work.wait_for_save()
+        eng.work.handle_preemptions(None)
+        stats = eng.work.get_kv_connector_stats()
+        assert stats is not None and stats.data["save_chunks"] == 5
+        assert pickle.loads(pickle.dumps(stats)).data == stats.data
+        assert eng.work.get_kv_connector_stats() is None  # stats are per-step deltas
+    finally:
+        eng.close()
+
+
+def test_methods_of_the_other_role_are_refused(tmp_path: Path) -> None:
+    eng = Engine(make_cfg(tmp_path, ("cpu",)), paged(7))
+    try:
+        with pytest.raises(ConnectorError):
+            eng.work.get_num_new_matched_tokens(Request("x", TOKENS), 0)
+        with pytest.raises(ConnectorError):
+            eng.sched.start_load_kv(None)
+    finally:
+        eng.close()
+
+
+def test_kv_cache_config_none_derives_one_group(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, ("cpu",))
+    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, None)
+    try:
+        work.register_kv_caches(paged(8))
+        assert work._worker is not None and work._worker.kcc is not None
+        assert len(work._worker.kcc.kv_cache_groups[0].layer_names) == 2
+    finally:
+        work.shutdown()
+
+
+def test_built_from_the_engine_extra_config(tmp_path: Path) -> None:
+    conf = tmp_path / "kvtier.yaml"
+    conf.write_text("chunk_size: 16\ntiers:\n  - {name: cpu, kind: cpu, capacity: 1MiB}\n")
+    extra = {"config_file": str(conf), "chunk_size": C}  # the engine's keys override the file
+    engine = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    for role in KVConnectorRole:
+        conn = KVTierConnector(engine, role, KCC)
+        try:
+            assert conn.kvtier_config.chunk_size == C
+            assert [t.name for t in conn.kvtier_config.tiers] == ["cpu"]
+            assert conn._kv_cache_config is KCC
+        finally:
+            conn.shutdown()
+
+
+def test_a_paged_layout_that_disagrees_with_the_config_is_refused(tmp_path: Path) -> None:
+    work = KVTierConnector.from_config(make_cfg(tmp_path, ("cpu",)), KVConnectorRole.WORKER, KCC)
+    try:
+        heads_first = {n: torch.zeros(2, NB, 2, BS, 4) for n in KCC.kv_cache_groups[0].layer_names}
+        with pytest.raises(ConnectorError, match="heads"):
+            work.register_kv_caches(heads_first)
+    finally:
+        work.shutdown()

@@ -1,0 +1,128 @@
+"""gather / scatter between paged KV tensors and chunk payloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.transfer import NULL_BLOCK, KVLayout, detect_layout, gather, payload_shape, scatter
+
+NUM_BLOCKS, BS, HEADS, HEAD = 24, 4, 2, 8
+
+
+def _paged(layout: KVLayout, n_layers: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if layout is KVLayout.KV_FIRST:
+        shape: tuple[int, ...] = (2, NUM_BLOCKS, BS, HEADS, HEAD)
+    elif layout is KVLayout.BLOCKS_FIRST:
+        shape = (NUM_BLOCKS, 2, BS, HEADS, HEAD)
+    else:
+        shape = (NUM_BLOCKS, BS, HEAD)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(n_layers)]
+
+
+def _block(t: torch.Tensor, layout: KVLayout, b: int) -> torch.Tensor:
+    return t[:, b] if layout is KVLayout.KV_FIRST else t[b]
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gather_then_scatter_into_other_blocks_reproduces(layout: KVLayout, dtype: torch.dtype) -> None:
+    src = _paged(layout, 3, dtype, seed=1)
+    dst = _paged(layout, 3, dtype, seed=2)
+    src_ids = [[3, 7], [1, 9], [12, 2]]  # three chunks of two blocks each
+    dst_ids = [[5, 6], [20, 21], [11, 4]]
+    payload = gather(src, src_ids, layout)
+    assert payload.is_contiguous()
+    assert tuple(payload.shape) == (3, *payload_shape(src[0], layout, 3, 2 * BS))
+    before = [t.clone() for t in dst]
+    scatter(dst, dst_ids, layout, payload)
+    for layer in range(3):
+        for chunk in range(3):
+            for j in range(2):
+                assert torch.equal(_block(dst[layer], layout, dst_ids[chunk][j]),
+                                   _block(src[layer], layout, src_ids[chunk][j]))
+        touched = {b for c in dst_ids for b in c}
+        for b in set(range(NUM_BLOCKS)) - touched:
+            assert torch.equal(_block(dst[layer], layout, b), _block(before[layer], layout, b))
+
+
+def test_payload_token_order_is_k_then_v_per_layer() -> None:
+    # Token t of the chunk in layer l is K = layer[0, block, slot], V = layer[1, block, slot].
+    layers = _paged(KVLayout.KV_FIRST, 2, torch.float32)
+    payload = gather(layers, [[4, 2]], KVLayout.KV_FIRST)[0]
+    assert torch.equal(payload[1, 0, BS + 1], layers[1][0, 2, 1])
+    assert torch.equal(payload[0, 1, 3], layers[0][1, 4, 3])
+
+
+def test_layouts_agree_on_payload() -> None:
+    kv_first = _paged(KVLayout.KV_FIRST, 2, torch.float32)
+    blocks_first = [t.transpose(0, 1).contiguous() for t in kv_first]
+    ids = [[1, 2], [8, 3]]
+    assert torch.equal(gather(kv_first, ids, KVLayout.KV_FIRST), gather(blocks_first, ids, KVLayout.BLOCKS_FIRST))
+
+
+def test_null_block_is_left_untouched() -> None:
+    src = _paged(KVLayout.KV_FIRST, 2, torch.float32, seed=3)
+    dst = _paged(KVLayout.KV_FIRST, 2, torch.float32, seed=4)
+    null_before = [t[:, NULL_BLOCK].clone() for t in dst]
+    payload = gather(src, [[5, 6], [7, 8]], KVLayout.KV_FIRST)
+    scatter(dst, [[NULL_BLOCK, 10], [11, 12]], KVLayout.KV_FIRST, payload)
+    for layer in range(2):
+        assert torch.equal(dst[layer][:, NULL_BLOCK], null_before[layer])
+        assert torch.equal(dst[layer][:, 10], src[layer][:, 6])
+        assert torch.equal(dst[layer][:, 12], src[layer][:, 8])
+
+
+def test_many_chunks_and_list_payloads() -> None:
+    src = _paged(KVLayout.BLOCKS_FIRST, 2, torch.bfloat16, seed=5)
+    ids = [[b] for b in range(1, NUM_BLOCKS)]
+    payload = gather(src, ids, KVLayout.BLOCKS_FIRST)
+    dst = [torch.zeros_like(t) for t in src]
+    scatter(dst, list(reversed(ids)), KVLayout.BLOCKS_FIRST, list(payload))
+    for layer in range(2):
+        for i, (b,) in enumerate(ids):
+            assert torch.equal(dst[layer][NUM_BLOCKS - i - 1], src[layer][b])
+
+
+def test_empty_and_bad_shapes() -> None:
+    layers = _paged(KVLayout.KV_FIRST, 1, torch.float32)
+    assert gather(layers, [], KVLayout.KV_FIRST).shape[0] == 0
+    scatter(layers, [], KVLayout.KV_FIRST, torch.empty(0))
+    with pytest.raises(ValueError):
+        gather(layers, [[1, 2], [3]], KVLayout.KV_FIRST)
+    with pytest.raises(ValueError):
+        scatter(layers, [[1]], KVLayout.KV_FIRST, torch.zeros(1, 1, 2, 2 * BS, HEADS, HEAD))
+
+
+def test_detect_layout() -> None:
+    assert detect_layout(torch.empty(2, 9, 4, 2, 8)) is KVLayout.KV_FIRST
+    assert detect_layout(torch.empty(9, 2, 4, 2, 8)) is KVLayout.BLOCKS_FIRST
+    assert detect_layout(torch.empty(9, 4, 8)) is KVLayout.MLA
+    with pytest.raises(ValueError):
+        detect_layout(torch.empty(9, 3, 4, 2, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_roundtrip_on_a_side_stream() -> None:
+    src = [t.cuda() for t in _paged(KVLayout.KV_FIRST, 2, torch.bfloat16, seed=6)]
+    dst = [torch.zeros_like(t) for t in src]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    payload = gather(src, [[1, 2], [3, 4]], KVLayout.KV_FIRST, stream=stream)
+    scatter(dst, [[5, 6], [7, 8]], KVLayout.KV_FIRST, payload.cpu(), stream=stream)
+    stream.synchronize()
+    assert payload.device.type == "cuda"
+    for layer in range(2):
+        assert torch.equal(dst[layer][:, [5, 6, 7, 8]], src[layer][:, [1, 2, 3, 4]])
+
+
+def test_gather_into_another_device_or_buffer() -> None:
+    layers = _paged(KVLayout.KV_FIRST, 2, torch.float16)
+    ids = [[1, 2], [3, 4]]
+    expected = gather(layers, ids, KVLayout.KV_FIRST)
+    assert torch.equal(gather(layers, ids, KVLayout.KV_FIRST, device="cpu"), expected)
+    buf = torch.empty_like(expected)
+    assert gather(layers, ids, KVLayout.KV_FIRST, out=buf) is buf
+    assert torch.equal(buf, expected)

@@ -81,3 +81,39 @@ class KVConnectorOutput:
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.kv_connector_stats
                     or self.invalid_block_ids)
+
+
+def _new_engine_id() -> str:
+    import uuid
+
+    return str(uuid.uuid4())
+
+
+@dataclass
+class KVTransferConfig:
+    """Stand-in for vLLM's ``KVTransferConfig`` (the fields a connector and kvtier's factory read)."""
+
+    kv_connector: str | None = None
+    kv_connector_module_path: str | None = None
+    kv_role: str | None = None
+    engine_id: str = field(default_factory=_new_engine_id)
+    kv_buffer_device: str = "cpu"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+
+
+@dataclass
+class EngineConfig:
+    """Stand-in for vLLM's ``VllmConfig``: what a connector reads from it (attribute names as in vLLM)."""
+
+    kv_transfer_config: KVTransferConfig | None = None
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    model_config: Any = None

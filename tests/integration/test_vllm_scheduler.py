@@ -1,0 +1,174 @@
+"""vLLM 0.33's real Scheduler drives kvtier's scheduler half; kvtier's worker half runs in-process on CPU tensors.
+
+What is real: vLLM's VllmConfig, KVConnectorFactory, Scheduler (block allocation, connector calls, finished-request
+handling), both halves of kvtier's connector (separate instances sharing nothing but the config, as in vLLM's
+two processes) and kvtier's tiers. What stands in: the model runner. Each step this test does what vLLM's
+KVConnectorModelRunnerMixin does with the worker connector (bind, start_load_kv, wait_for_save,
+get_transfer_results, get_block_ids_with_load_errors, clear), a fake "forward pass" writes a known pattern into
+the paged CPU tensors of the tokens computed this step, and the result goes back through
+``Scheduler.update_from_output`` as a real ``ModelRunnerOutput`` with a ``KVConnectorOutput``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvtier.connector.plans import KVTierMetadata
+from kvtier.integrations.vllm import KVTierConnector
+
+PREFIX = [(7 * i) % 900 + 1 for i in range(64)]  # 4 chunks of 16 tokens
+TIERS = {
+    "cpu": "[{name: cpu, kind: cpu, capacity: 4MiB}]",
+    "disk": "[{name: disk, kind: disk, capacity: 16MiB, path: %s}]",
+}
+
+
+def fill_value(token: int, layer: int, kv: int) -> float:
+    """The pattern the fake forward pass writes for one token (exact in float16)."""
+    return float(token % 256) + 0.5 * kv + 0.25 * (layer % 2)
+
+
+class Engine:
+    """The real Scheduler plus kvtier's worker half, stepped like vLLM's engine core."""
+
+    def __init__(self, cfg: Any, kcc: Any, kit: Any) -> None:
+        cfg.cache_config.num_gpu_blocks = kcc.num_blocks
+        self.kcc, self.kit = kcc, kit
+        self.scheduler = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
+                                   structured_output_manager=StructuredOutputManager(cfg), block_size=kit.BLOCK_SIZE)
+        self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
+        self.kv = kit.kv_tensors(kcc)
+        self.worker.register_kv_caches(self.kv)
+        self.metadata: list[Any] = []
+
+    def add(self, req_id: str, prompt: list[int]) -> None:
+        self.scheduler.add_request(Request(req_id, prompt, SamplingParams(max_tokens=1), None))
+
+    def step(self) -> Any:
+        so = self.scheduler.schedule()
+        self.metadata.append(so.kv_connector_metadata)
+        # The metadata crosses a process boundary in vLLM: hand the worker a pickled copy.
+        self.worker.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
+        self.worker.start_load_kv(None)
+        self.after_load(so)
+        self.forward(so)
+        if so.num_scheduled_tokens:
+            self.worker.wait_for_save()
+        results = self.worker.get_transfer_results(so.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        ids = list(so.num_scheduled_tokens)
+        output = KVConnectorOutput(finished_sending=results.finished_sending or None,
+                                   finished_recving=results.finished_recving or None, invalid_block_ids=errors)
+        self.scheduler.update_from_output(so, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[5] for _ in ids],
+            kv_connector_output=output))
+        return so
+
+    def after_load(self, so: Any) -> None:
+        """Hook for checks between the load and the forward pass."""
+
+    def forward(self, so: Any) -> None:
+        """Write the pattern of every token computed this step into its block in every layer."""
+        for req_id, count in so.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            end = request.num_computed_tokens
+            tokens = request.all_token_ids
+            for g, group in enumerate(self.kcc.kv_cache_groups):
+                blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g]
+                for pos in range(end - count, min(end, len(tokens))):
+                    block, offset = blocks[pos // self.kit.BLOCK_SIZE], pos % self.kit.BLOCK_SIZE
+                    for name in group.layer_names:
+                        layer = int(name.split(".")[2])
+                        for kv in (0, 1):
+                            self.kv[name][kv, block, offset] = fill_value(tokens[pos], layer, kv)
+
+    def run(self, timeout_s: float = 30.0) -> Iterator[Any]:
+        """Step until no request is left. Steps that compute nothing wait on kvtier's background saves or
+        loads, so they idle a moment, as an engine with no work would."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.requests:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests still pending after {timeout_s}s: {list(self.scheduler.requests)}")
+            so = self.step()
+            if not so.num_scheduled_tokens:
+                time.sleep(0.005)
+            yield so
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+def expected_blocks(kv: dict[str, torch.Tensor], name: str, blocks: list[int], tokens: list[int], bs: int) -> bool:
+    layer = int(name.split(".")[2])
+    for i, block in enumerate(blocks):
+        for kv_index in (0, 1):
+            want = torch.tensor([fill_value(tokens[i * bs + o], layer, kv_index) for o in range(bs)],
+                                dtype=kv[name].dtype)
+            got = kv[name][kv_index, block, :, 0, 0]
+            if not torch.equal(got, want) or not torch.all(kv[name][kv_index, block] == got[:, None, None]):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, kit: Any, make_vllm_config: Any,
+                                                                   kvtier_config_file: Any, tmp_path: Any) -> None:
+    tiers = TIERS[tier] % (tmp_path / "kv") if tier == "disk" else TIERS[tier]
+    # Local prefix caching off: the second request's hit can only come from kvtier.
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers)), prefix_caching=False)
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
+    kcc = kit.make_kv_cache_config(hybrid=True)
+    engine = Engine(cfg, kcc, kit)
+    try:
+        assert isinstance(engine.scheduler.connector, KVTierConnector)
+        engine.add("r1", PREFIX)
+        steps = list(engine.run())
+        assert steps[0].num_scheduled_tokens == {"r1": 64}
+        first = engine.metadata[0]
+        assert isinstance(first, KVTierMetadata)
+        assert sorted({s.group for s in first.saves}) == [0, 1]
+        assert all(len(s.keys) == 4 for s in first.saves)
+        for tensor in engine.kv.values():  # the engine reuses the blocks: nothing of r1 is left in them
+            tensor.zero_()
+
+        loaded: dict[int, list[int]] = {}
+
+        def check_after_load(so: Any) -> None:
+            if "r2" not in so.num_scheduled_tokens:
+                return
+            ids = engine.scheduler.kv_cache_manager.get_block_ids("r2")
+            for g, group in enumerate(kcc.kv_cache_groups):
+                for name in group.layer_names:
+                    assert expected_blocks(engine.kv, name, ids[g][:4], PREFIX, kit.BLOCK_SIZE), (g, name)
+                loaded[g] = ids[g][:4]
+
+        engine.after_load = check_after_load  # type: ignore[method-assign]
+        engine.add("r2", [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6])
+        steps = list(engine.run())
+        compute_step = next(s for s in steps if "r2" in s.num_scheduled_tokens)
+        assert compute_step.num_scheduled_tokens == {"r2": 8}  # 64 of 72 tokens came from kvtier
+        assert set(loaded) == {0, 1} and all(0 not in ids for ids in loaded.values())
+        loads = [spec for meta in engine.metadata for spec in meta.loads if spec.req_id == "r2"]
+        assert {spec.group for spec in loads} == {0, 1}
+        assert {spec.group: [b for (b,) in spec.block_ids] for spec in loads} == loaded
+        assert all(spec.is_async == (tier == "disk") for spec in loads)
+        assert not engine.scheduler.requests
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == kcc.num_blocks - 1  # no leaked blocks
+    finally:
+        engine.close()

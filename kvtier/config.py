@@ -191,7 +191,7 @@ class KvtierConfig:
 # ---- loading ----------------------------------------------------------------------------------------------
 
 SECTIONS = ("chunk_size", "namespace", "tiers", "policy", "placement", "save_partial_chunks", "security")
-ENGINE_ONLY_KEYS = frozenset({"config_file", "connectors"})
+ENGINE_ONLY_KEYS = frozenset({"config_file", "connectors", "load_failure_policy"})
 """Keys of an engine's extra-config dict that are not kvtier config: ``config_file`` (the file to load when no
 source is given) and ``connectors`` (a MultiConnector's children)."""
 ENV_RESERVED = ("KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_REDIS_PASSWORD")

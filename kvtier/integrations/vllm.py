@@ -43,6 +43,7 @@ child that reports some (the first child's are kept, with a warning).
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,8 @@ from kvtier.connector.multi import MultiConnector, MultiConnectorStats, required
 from kvtier.connector.tiered import KVTierConnector as TieredConnector
 from kvtier.errors import ConnectorError
 from kvtier.layout import from_vllm
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["VLLM_FACTORY", "KVTierConnector", "KVTierMultiConnector", "KVTierMultiStats", "KVTierMultiWorkerMetadata",
            "KVTierStats", "LegacyConnectorBase"]
@@ -111,6 +114,27 @@ def _child_class(kv_transfer_config: Any) -> Any:
     return VLLM_FACTORY.resolve(kv_transfer_config).cls
 
 
+def prefer_recompute(vllm_config: Any) -> None:
+    """Make vLLM recompute blocks whose load failed instead of failing the request.
+
+    kvtier is a cache: a dead tier or a corrupt record must cost a recompute, not an error returned to the
+    user, but vLLM's default ``kv_load_failure_policy`` is ``"fail"``. vLLM 0.33's Scheduler reads the policy
+    after building the connector, so the connector switches it to ``"recompute"`` unless the extra config says
+    ``load_failure_policy: fail``.
+    """
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None or getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute":
+        return
+    if (ktc.kv_connector_extra_config or {}).get("load_failure_policy", "recompute") != "recompute":
+        return
+    try:
+        ktc.kv_load_failure_policy = "recompute"
+        logger.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load recomputes, never fails)")
+    except Exception:  # a frozen config: tell the operator instead
+        logger.warning("kvtier: set kv_load_failure_policy='recompute' in --kv-transfer-config, else a dead tier "
+                       "fails requests instead of recomputing them")
+
+
 def to_kvtier_role(role: Any) -> kvbase.KVConnectorRole:
     """vLLM's ``KVConnectorRole`` -> kvtier's (same values)."""
     return kvbase.KVConnectorRole(role.value)
@@ -123,6 +147,7 @@ class _Facade(KVConnectorBase_V1, VllmSupportsHMA):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        prefer_recompute(vllm_config)
 
     def _wrap_stats(self, stats: Any) -> Any:
         return stats

@@ -136,6 +136,8 @@ def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, ki
     engine = Engine(cfg, kcc, kit)
     try:
         assert isinstance(engine.scheduler.connector, KVTierConnector)
+        # A failed load (dead tier, corrupt record) recomputes instead of failing the request.
+        assert engine.scheduler.recompute_kv_load_failures is True
         engine.add("r1", PREFIX)
         steps = list(engine.run())
         assert steps[0].num_scheduled_tokens == {"r1": 64}

@@ -1,0 +1,288 @@
+"""The disk tier: one record file per key under a sharded directory, with a byte quota.
+
+Lifecycle: ``DiskTier(section)`` -> ``await start()`` (creates the root 0700, removes stale temp files and
+invalid records, rebuilds the index key -> file size from the headers; ``entries()`` then lists what an
+earlier process left) -> ``contains`` (index only) / ``get`` / ``put`` / ``delete`` -> ``await close()`` (waits
+for writes in flight).
+
+Writes: encode (kvtier.codec, optional compression and HMAC) into a temp file in the target directory, fsync
+when configured, ``os.replace``. The quota counts whole files; a put that would exceed it is refused. Any
+OSError while writing (ENOSPC included) drops that write, removes the temp file and counts ``errors``.
+Reads verify the key, checksum and signature; a corrupt or truncated file is a miss, deleted and counted in
+``corrupt``; a file removed behind our back (another process sharing the directory) is a miss. Each record is
+read or written by one blocking call in a worker thread (``asyncio.to_thread``): one thread hop per record
+instead of one per file operation (aiofiles), and the read goes straight into the returned tensor's memory.
+The index is only touched on the event loop thread, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from kvtier.codec import FLAG_LZ4, FLAG_ZSTD, HEADER_SIZE, MAC_BYTES, decode, encode
+from kvtier.config import DiskTierConfig, TierConfig
+from kvtier.errors import ConfigError, CorruptRecord
+from kvtier.keys import Key
+from kvtier.layout import dtype_name
+from kvtier.tiers.base import Tier, TierEntry, Timer
+from kvtier.tiers.disk_index import DIR_MODE, Layout, scan
+
+log = logging.getLogger(__name__)
+
+
+def _payload_view(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return flat.numpy().data
+
+
+def write_record(layout: Layout, key: Key, tensor: torch.Tensor, compression: str | None,
+                 hmac_key: bytes | None, fsync: bool) -> int:
+    """Encode and atomically write one record (blocking); return the file size. Raises OSError."""
+    parts = encode(key, _payload_view(tensor), dtype_name(tensor.dtype), tuple(tensor.shape),
+                   compression=compression, hmac_key=hmac_key)
+    final = layout.path(key)
+    directory = os.path.dirname(final)
+    layout.make_dirs(directory)
+    tmp = layout.temp_path(final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileNotFoundError:  # the directory was removed behind our back
+        layout.forget_dirs()
+        layout.make_dirs(directory)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        size = _write_all(fd, parts)
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, final)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        _fsync_dir(directory)
+    return size
+
+
+def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> int:
+    total = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            n = os.write(fd, view)
+            total += n
+            view = view[n:]
+    return total
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int) -> tuple[torch.Tensor, int]:
+    """Read and verify one record (blocking); return it and the file size.
+    Raises FileNotFoundError, CorruptRecord or OSError."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if not HEADER_SIZE <= size <= max_size:
+            raise CorruptRecord(f"file size {size} is outside [{HEADER_SIZE}, {max_size}]")
+        buf = torch.empty(size, dtype=torch.uint8)
+        view = buf.numpy().data
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CorruptRecord(f"file ended after {got} of {size} bytes")
+            got += n
+    record = decode(view, expected_key=key, max_raw=max_size, hmac_key=hmac_key)
+    header = record.header
+    dtype = getattr(torch, header.dtype)
+    if not header.flags & (FLAG_LZ4 | FLAG_ZSTD):  # stored raw: the payload stays in the read buffer
+        payload = buf[header.prefix_len:]
+    else:
+        payload = torch.empty(header.raw_len, dtype=torch.uint8)
+        payload.numpy()[:] = np.frombuffer(record.payload, dtype=np.uint8)
+    return payload.view(dtype).reshape(header.shape), size
+
+
+class DiskTier(Tier):
+    """Records as files under ``section.path`` within a quota of ``section.capacity`` bytes."""
+
+    def __init__(self, section: TierConfig, *, hmac_key: bytes | None = None) -> None:
+        super().__init__(section.name, section.capacity)
+        if not isinstance(section, DiskTierConfig) or not section.path:
+            raise ConfigError(f"tiers.{section.name}.path", "a disk tier needs a directory path")
+        self.section = section
+        self.layout = Layout(section.path, section.shard_depth)
+        self.hmac_key = hmac_key
+        self._index: dict[Key, int] = {}
+        self._used = 0
+        self._reserved = 0
+        self._writing: dict[Key, asyncio.Future[None]] = {}
+
+    async def start(self) -> None:
+        """Create the root (0700) and rebuild the index from the files already there."""
+        self.layout.forget_dirs()
+        await asyncio.to_thread(self._create_root)
+        result = await asyncio.to_thread(scan, self.layout, self.capacity_bytes)
+        self._index = dict(result.entries)
+        self._used = sum(self._index.values())
+        self._stats.corrupt += result.corrupt
+        self._stats.extra["temp_removed"] = self._stats.extra.get("temp_removed", 0) + result.temp_removed
+        if self._used > self.capacity_bytes:
+            await self._trim_to_quota()
+        log.info("disk tier %s: %d records, %d bytes in %s (%d invalid removed)", self.name, len(self._index),
+                 self._used, self.layout.root, result.corrupt)
+
+    def _create_root(self) -> None:
+        if not os.path.isdir(self.layout.root):
+            self.layout.make_dirs(self.layout.root)
+            os.chmod(self.layout.root, DIR_MODE)
+
+    async def _trim_to_quota(self) -> None:
+        """Delete the oldest records until the quota holds (the quota was lowered since they were written)."""
+        victims = []
+        for key, size in self._index.items():
+            if self._used <= self.capacity_bytes:
+                break
+            victims.append(key)
+            self._used -= size
+        for key in victims:
+            del self._index[key]
+        await asyncio.to_thread(self._unlink_many, victims)
+        self._stats.evictions += len(victims)
+
+    def entries(self) -> Iterable[TierEntry]:
+        """Records present (oldest first after ``start``)."""
+        return [TierEntry(k, s) for k, s in self._index.items()]
+
+    async def close(self) -> None:
+        """Wait for writes in flight. Idempotent."""
+        while self._writing:
+            await asyncio.gather(*self._writing.values(), return_exceptions=True)
+
+    def used_bytes(self) -> int:
+        return self._used
+
+    def stored_size(self, nbytes: int) -> int:
+        """File size of an uncompressed record (an upper bound when compressing)."""
+        return HEADER_SIZE + (MAC_BYTES if self.hmac_key else 0) + nbytes
+
+    async def contains(self, keys: Sequence[Key]) -> list[bool]:
+        found = [k in self._index for k in keys]
+        self._stats.lookups += len(found)
+        self._stats.hits += sum(found)
+        return found
+
+    async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        with Timer(self._stats, "get_seconds"):
+            out = list(await asyncio.gather(*(self._get_one(k) for k in keys)))
+        hits = [t for t in out if t is not None]
+        self._stats.gets += len(out)
+        self._stats.get_hits += len(hits)
+        self._stats.bytes_out += sum(t.numel() * t.element_size() for t in hits)
+        return out
+
+    async def _get_one(self, key: Key) -> torch.Tensor | None:
+        path = self.layout.path(key)
+        try:
+            tensor, size = await asyncio.to_thread(read_record, path, key, self.hmac_key, self.capacity_bytes)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except CorruptRecord as exc:
+            log.warning("disk tier %s: corrupt record %s: %s", self.name, path, exc)
+            self._forget(key)
+            self._stats.corrupt += 1
+            await asyncio.to_thread(self._unlink_many, [key])
+            return None
+        except OSError as exc:
+            log.warning("disk tier %s: cannot read %s: %s", self.name, path, exc)
+            self._stats.errors += 1
+            return None
+        if key not in self._index:  # written by another process sharing the directory
+            if self._used + self._reserved + size <= self.capacity_bytes:
+                self._index[key] = size
+                self._used += size
+        return tensor
+
+    def _forget(self, key: Key) -> None:
+        self._used -= self._index.pop(key, 0)
+
+    async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        """Write records; ``puts`` counts written ones, ``puts_refused`` the ones over quota."""
+        with Timer(self._stats, "put_seconds"):
+            return list(await asyncio.gather(*(self._put_one(k, t) for k, t in items)))
+
+    async def _wait_writing(self, key: Key) -> None:
+        while (pending := self._writing.get(key)) is not None:
+            await asyncio.shield(pending)
+
+    async def _put_one(self, key: Key, tensor: torch.Tensor) -> bool:
+        await self._wait_writing(key)
+        nbytes = tensor.numel() * tensor.element_size()
+        need = self.stored_size(nbytes)
+        if self._used - self._index.get(key, 0) + self._reserved + need > self.capacity_bytes:
+            self._stats.puts_refused += 1
+            return False
+        self._reserved += need
+        done = asyncio.get_running_loop().create_future()
+        self._writing[key] = done
+        try:
+            size = await asyncio.to_thread(write_record, self.layout, key, tensor, self.section.compression,
+                                           self.hmac_key, self.section.fsync)
+        except OSError as exc:
+            log.warning("disk tier %s: write of %s dropped: %s", self.name, key.hex(), exc)
+            self._stats.errors += 1
+            return False
+        else:
+            self._forget(key)
+            self._index[key] = size
+            self._used += size
+            self._stats.puts += 1
+            self._stats.bytes_in += nbytes
+            return True
+        finally:
+            self._reserved -= need
+            del self._writing[key]
+            done.set_result(None)
+
+    async def delete(self, keys: Sequence[Key]) -> int:
+        """Remove record files (also ones another process wrote); return how many existed."""
+        for key in keys:
+            await self._wait_writing(key)
+        known = {k for k in keys if k in self._index}
+        for key in known:
+            self._forget(key)
+        removed = await asyncio.to_thread(self._unlink_many, keys)
+        n = len(known | removed)
+        self._stats.deletes += n
+        return n
+
+    def _unlink_many(self, keys: Iterable[Key]) -> set[Key]:
+        removed = set()
+        for key in keys:
+            try:
+                os.unlink(self.layout.path(key))
+                removed.add(key)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("disk tier %s: cannot remove %s: %s", self.name, key.hex(), exc)
+        return removed

@@ -1,0 +1,384 @@
+"""A fixed-size slot pool in one preallocated tensor, and the memory tier built on it (cpu and gpu tiers).
+
+Lifecycle: ``PoolTier(...)`` -> ``await start()`` (allocates ``capacity`` bytes on the device and touches every
+page once, so the first puts are not slowed by page faults) -> ``put`` / ``get`` / ``get_into`` / ``view`` /
+``delete`` / ``pin`` / ``unpin`` -> ``await close()`` (drops the buffer).
+
+The pool is split into slots of ``slot_bytes`` (from the config, or the first record stored, rounded up to
+4 KiB). A record of n bytes takes ceil(n / slot) slots, contiguous when a run that long is free, several runs
+otherwise; one ``copy_`` per run, no per-element work. Used bytes are whole slots, so capacity is never
+exceeded. Deleting (or overwriting) a pinned record hides it at once but frees its slots only at the last
+``unpin``: a reader holding a ``view`` of it keeps valid bytes. Not thread-safe: use a pool from one thread
+(the tier's event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import mmap
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.keys import Key
+from kvtier.tiers.base import Tier, Timer
+
+log = logging.getLogger(__name__)
+
+SLOT_ALIGN = 4096
+Run = tuple[int, int]  # (first slot, number of slots)
+
+
+def round_up(n: int, align: int = SLOT_ALIGN) -> int:
+    return -(-n // align) * align
+
+
+class FreeRuns:
+    """Free slot runs with coalescing: first fit for one run, largest runs first when fragmented."""
+
+    def __init__(self, n_slots: int) -> None:
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self.free = 0
+        if n_slots:
+            self.give(0, n_slots)
+
+    def _remove(self, start: int) -> int:
+        count = self._by_start.pop(start)
+        del self._by_end[start + count]
+        self.free -= count
+        return count
+
+    def _add(self, start: int, count: int) -> None:
+        self._by_start[start] = count
+        self._by_end[start + count] = start
+        self.free += count
+
+    def take(self, need: int) -> list[Run] | None:
+        """Reserve ``need`` slots; None when fewer are free."""
+        if need > self.free:
+            return None
+        chosen: list[Run] = []
+        # newest free run first: the slots freed last are the likeliest to still be in the CPU cache
+        for start, count in reversed(self._by_start.items()):
+            if count >= need:
+                chosen = [(start, need)]
+                break
+        else:
+            left = need
+            for start, count in sorted(self._by_start.items(), key=lambda r: -r[1]):
+                chosen.append((start, min(count, left)))
+                left -= chosen[-1][1]
+                if not left:
+                    break
+        for start, used in chosen:
+            count = self._remove(start)
+            if count > used:
+                self._add(start + used, count - used)
+        return chosen
+
+    def give(self, start: int, count: int) -> None:
+        """Return a run, merging it with free neighbours."""
+        end = start + count
+        if start in self._by_end:  # a free run ends where this one starts
+            prev = self._by_end[start]
+            count += self._remove(prev)
+            start = prev
+        if end in self._by_start:
+            count += self._remove(end)
+        self._add(start, count)
+
+
+@dataclass(frozen=True, slots=True)
+class Slotted:
+    """Where a record lives in the pool and how to rebuild its tensor."""
+
+    runs: tuple[Run, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _alloc_host(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """Host memory: pinned through CUDA, else an anonymous mapping advised to use huge pages."""
+    if pin:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
+    mm = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # kernels without transparent huge pages
+            pass
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], mm
+
+
+class SlotPool:
+    """Records as raw bytes in fixed-size slots of one tensor. Synchronous; the owning tier adds stats."""
+
+    def __init__(self, capacity: int, device: str | torch.device = "cpu", slot_bytes: int | None = None,
+                 pin_memory: bool = False) -> None:
+        self.capacity = int(capacity)
+        self.device = torch.device(device)
+        self.pin_memory = pin_memory
+        self._slot = round_up(slot_bytes) if slot_bytes else 0
+        self._buf: torch.Tensor | None = None
+        self._mm: mmap.mmap | None = None
+        self._free: FreeRuns | None = None
+        self._map: dict[Key, Slotted] = {}
+        self._pins: dict[Key, int] = {}
+        self._deferred: dict[Key, list[tuple[Run, ...]]] = {}
+        self._used_slots = 0
+
+    def allocate(self) -> None:
+        """Allocate the buffer and touch every page once."""
+        if self._buf is not None:
+            return
+        if self.device.type == "cpu":
+            self._buf, self._mm = _alloc_host(self.capacity, self.pin_memory)
+        else:
+            self._buf = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        self._buf.zero_()
+        if self._slot:
+            self._free = FreeRuns(self.capacity // self._slot)
+
+    def release(self) -> None:
+        """Drop the buffer and every record."""
+        self._buf = self._free = None
+        self._mm = None  # the mapping is unmapped when the last tensor view of it is gone
+        self._map.clear()
+        self._pins.clear()
+        self._deferred.clear()
+        self._used_slots = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """Slot size in bytes (0 until the first record fixes it)."""
+        return self._slot
+
+    def cost(self, nbytes: int) -> int:
+        """Bytes a record of ``nbytes`` occupies: whole slots."""
+        if nbytes <= 0:
+            return 0
+        slot = self._slot or round_up(nbytes)
+        return math.ceil(nbytes / slot) * slot
+
+    def used_bytes(self) -> int:
+        return self._used_slots * self._slot
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._map
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def keys(self) -> Iterable[Key]:
+        return self._map.keys()
+
+    def nbytes(self, key: Key) -> int | None:
+        rec = self._map.get(key)
+        return None if rec is None else rec.nbytes
+
+    def put(self, key: Key, tensor: torch.Tensor) -> bool:
+        """Copy ``tensor`` in; False when it does not fit (an older record of the key is then kept)."""
+        if self._buf is None:
+            raise RuntimeError("pool not started")
+        src = _bytes_of(tensor)
+        n = src.numel()
+        if n and not self._slot:
+            if round_up(n) > self.capacity:
+                return False
+            self._slot = round_up(n)
+            self._free = FreeRuns(self.capacity // self._slot)
+        need = math.ceil(n / self._slot) if n else 0
+        old = self._map.get(key)
+        if old is not None and key not in self._pins:
+            # replacing: free the old slots first, so that the likely cache-hot ones are reused
+            if need and (self._free is None or need > self._free.free + sum(c for _, c in old.runs)):
+                return False
+            self._drop(key)
+        runs = self._take(need)
+        if runs is None:
+            return False
+        self._used_slots += need
+        self._copy_in(runs, src)
+        self._drop(key)
+        self._map[key] = Slotted(tuple(runs), tensor.dtype, tuple(tensor.shape), n)
+        return True
+
+    def _take(self, need: int) -> list[Run] | None:
+        if not need:
+            return []
+        return self._free.take(need) if self._free is not None else None
+
+    def _copy_in(self, runs: Sequence[Run], src: torch.Tensor) -> None:
+        assert self._buf is not None
+        done, slot = 0, self._slot
+        for start, count in runs:
+            take = min(count * slot, src.numel() - done)
+            self._buf[start * slot:start * slot + take].copy_(src[done:done + take])
+            done += take
+
+    def get(self, key: Key) -> torch.Tensor | None:
+        """A new tensor (same dtype and shape, on the pool's device) with the record's bytes."""
+        rec = self._map.get(key)
+        if rec is None:
+            return None
+        # pinned pool, pinned result (CUDA's caching host allocator): the next host-to-device copy is fast
+        out = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+        self._copy_out(rec, out)
+        return out.view(rec.dtype).reshape(rec.shape)
+
+    def read_into(self, key: Key, out: torch.Tensor) -> bool:
+        """Copy the record into ``out`` (contiguous, any device, same byte size); False on a miss."""
+        rec = self._map.get(key)
+        if rec is None:
+            return False
+        dst = out.reshape(-1).view(torch.uint8)
+        if dst.numel() != rec.nbytes:
+            raise ValueError(f"out has {dst.numel()} bytes, the record {rec.nbytes}")
+        self._copy_out(rec, dst)
+        return True
+
+    def _copy_out(self, rec: Slotted, dst: torch.Tensor) -> None:
+        assert self._buf is not None
+        done, slot = 0, self._slot
+        for start, count in rec.runs:
+            take = min(count * slot, rec.nbytes - done)
+            dst[done:done + take].copy_(self._buf[start * slot:start * slot + take])
+            done += take
+
+    def view(self, key: Key) -> torch.Tensor | None:
+        """A zero-copy view of a record stored in one run (None otherwise). Pin the key while using it."""
+        rec = self._map.get(key)
+        if rec is None or len(rec.runs) > 1 or self._buf is None:
+            return None
+        start = rec.runs[0][0] * self._slot if rec.runs else 0
+        return self._buf[start:start + rec.nbytes].view(rec.dtype).reshape(rec.shape)
+
+    def delete(self, key: Key) -> bool:
+        """Remove a record; its slots return at once, or at the last unpin when pinned."""
+        if key not in self._map:
+            return False
+        self._drop(key)
+        return True
+
+    def _drop(self, key: Key) -> None:
+        rec = self._map.pop(key, None)
+        if rec is None:
+            return
+        if key in self._pins:
+            self._deferred.setdefault(key, []).append(rec.runs)
+        else:
+            self._free_runs(rec.runs)
+
+    def _free_runs(self, runs: Iterable[Run]) -> None:
+        for start, count in runs:
+            if self._free is not None:
+                self._free.give(start, count)
+                self._used_slots -= count
+
+    def pin(self, keys: Iterable[Key]) -> None:
+        """Protect the slots of these keys from being reused until unpinned (counted)."""
+        for key in keys:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, keys: Iterable[Key]) -> None:
+        for key in keys:
+            left = self._pins.get(key, 0) - 1
+            if left > 0:
+                self._pins[key] = left
+                continue
+            self._pins.pop(key, None)
+            for runs in self._deferred.pop(key, []):
+                self._free_runs(runs)
+
+    def pinned(self) -> int:
+        """Number of pinned keys (tests check for leaks)."""
+        return len(self._pins)
+
+
+class PoolTier(Tier):
+    """A memory tier over one ``SlotPool``; the cpu and gpu tiers differ only in device and pinning."""
+
+    is_memory = True
+
+    def __init__(self, name: str, capacity: int, device: str | torch.device, slot_bytes: int | None = None,
+                 pin_memory: bool = False) -> None:
+        super().__init__(name, capacity)
+        self.pool = SlotPool(capacity, device, slot_bytes, pin_memory)
+
+    async def start(self) -> None:
+        """Allocate and pre-touch the pool (in a worker thread: gigabytes take seconds)."""
+        await asyncio.to_thread(self.pool.allocate)
+        log.debug("tier %s: %d bytes on %s, pinned=%s", self.name, self.capacity_bytes, self.pool.device,
+                  self.pool.pin_memory)
+
+    async def close(self) -> None:
+        """Drop every record and the buffer. Idempotent."""
+        self.pool.release()
+
+    async def contains(self, keys: Sequence[Key]) -> list[bool]:
+        found = [k in self.pool for k in keys]
+        self._stats.lookups += len(found)
+        self._stats.hits += sum(found)
+        return found
+
+    async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        with Timer(self._stats, "get_seconds"):
+            out = [self.pool.get(k) for k in keys]
+        self._count_gets([t.numel() * t.element_size() if t is not None else None for t in out])
+        return out
+
+    async def get_into(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        """Copy records into caller buffers (no allocation); False for a miss."""
+        with Timer(self._stats, "get_seconds"):
+            found = [self.pool.read_into(k, out) for k, out in items]
+        self._count_gets([self.pool.nbytes(k) if ok else None for (k, _), ok in zip(items, found, strict=True)])
+        return found
+
+    def _count_gets(self, sizes: Sequence[int | None]) -> None:
+        hits = [n for n in sizes if n is not None]
+        self._stats.gets += len(sizes)
+        self._stats.get_hits += len(hits)
+        self._stats.bytes_out += sum(hits)
+
+    async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        """Store copies; ``puts`` counts stored records, ``puts_refused`` the ones that did not fit."""
+        with Timer(self._stats, "put_seconds"):
+            done = [self.pool.put(k, t) for k, t in items]
+        for (_, t), ok in zip(items, done, strict=True):
+            if ok:
+                self._stats.puts += 1
+                self._stats.bytes_in += t.numel() * t.element_size()
+            else:
+                self._stats.puts_refused += 1
+        return done
+
+    async def delete(self, keys: Sequence[Key]) -> int:
+        n = sum(self.pool.delete(k) for k in keys)
+        self._stats.deletes += n
+        return n
+
+    def used_bytes(self) -> int:
+        return self.pool.used_bytes()
+
+    def stored_size(self, nbytes: int) -> int:
+        return self.pool.cost(nbytes)
+
+    def pin(self, keys: Iterable[Key]) -> None:
+        """Keep the slots of these keys valid (for ``view`` readers) until ``unpin``."""
+        self.pool.pin(keys)
+
+    def unpin(self, keys: Iterable[Key]) -> None:
+        self.pool.unpin(keys)
+
+    def view(self, key: Key) -> torch.Tensor | None:
+        """Zero-copy view of a record (see ``SlotPool.view``); pin the key while using it."""
+        return self.pool.view(key)

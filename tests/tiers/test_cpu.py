@@ -1,0 +1,181 @@
+"""The cpu tier: the shared contract plus slot-pool behaviour (slots, fragmentation, pins, views)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from contract import TierContract, assert_same, key, rand
+
+from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, RedisTierConfig
+from kvtier.tiers import TIERS, make_tier, tier_class
+from kvtier.tiers.base import Tier
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.pool import FreeRuns, SlotPool
+
+
+class TestCpuContract(TierContract):
+    async def build(self, env: Any, capacity: int, name: str) -> Tier:
+        tier = make_tier(CpuTierConfig(name=name, capacity=capacity, pin_memory=False))
+        await tier.start()
+        return tier
+
+
+async def started(capacity: int, slot_bytes: int | None = None) -> CpuTier:
+    tier = CpuTier(CpuTierConfig(name="cpu", capacity=capacity, slot_bytes=slot_bytes, pin_memory=False))
+    await tier.start()
+    return tier
+
+
+def test_registry_is_lazy_and_complete() -> None:
+    assert set(TIERS) == {"gpu", "cpu", "disk", "redis"}
+    assert tier_class("cpu") is CpuTier
+    assert tier_class("gpu").__name__ == "GpuTier" and tier_class("disk").__name__ == "DiskTier"
+    assert TIERS["redis"] == "kvtier.tiers.redis:RedisTier"
+    with pytest.raises(ValueError, match="unknown tier kind 'tape'"):
+        tier_class("tape")
+
+
+def test_make_tier_builds_each_kind(tmp_path: Any) -> None:
+    sections = [CpuTierConfig(name="c", capacity=1 << 20), GpuTierConfig(name="g", capacity=1 << 20, device="cpu"),
+                DiskTierConfig(name="d", capacity=1 << 20, path=str(tmp_path))]
+    for section in sections:
+        tier = make_tier(section, hmac_key=b"k")
+        assert (tier.name, tier.capacity_bytes) == (section.name, 1 << 20)
+        assert tier.is_memory == (section.kind != "disk")
+    assert RedisTierConfig(name="r", capacity=1).kind == "redis"
+
+
+async def test_slot_size_from_first_record_rounded_to_4k() -> None:
+    tier = await started(1 << 20)
+    assert tier.pool.slot_bytes == 0 and tier.stored_size(5000) == 8192
+    await tier.put([(key(0), rand((1250,)))])  # 5000 bytes
+    assert tier.pool.slot_bytes == 8192 and tier.used_bytes() == 8192
+    await tier.put([(key(1), rand((5000,)))])  # 20000 bytes -> 3 slots
+    assert tier.used_bytes() == 8192 * 4 and tier.stored_size(20000) == 3 * 8192
+
+
+async def test_configured_slot_bytes() -> None:
+    tier = await started(1 << 20, slot_bytes=10000)
+    assert tier.pool.slot_bytes == 12288
+    assert tier.stored_size(100) == 12288
+
+
+async def test_pool_is_pretouched_and_zeroed() -> None:
+    tier = await started(64 << 10)
+    buf = tier.pool._buf
+    assert buf is not None and buf.numel() == 64 << 10 and int(buf.count_nonzero()) == 0
+
+
+async def test_fragmented_record_spans_several_runs() -> None:
+    tier = await started(8 * 4096, slot_bytes=4096)
+    small = [rand((1024,), seed=i) for i in range(8)]
+    assert await tier.put([(key(i), t) for i, t in enumerate(small)]) == [True] * 8
+    assert await tier.delete([key(i) for i in (1, 3, 5)]) == 3  # three separate free slots
+    big = rand((3 * 1024,), torch.float32, seed=42)  # 3 slots, no 3-slot run is free
+    assert await tier.put([(key(100), big)]) == [True]
+    assert len(tier.pool._map[key(100)].runs) == 3
+    assert_same((await tier.get([key(100)]))[0], big)
+    for i in (0, 2, 4, 6, 7):
+        assert_same((await tier.get([key(i)]))[0], small[i])
+    assert tier.pool.view(key(100)) is None  # not one run: no zero-copy view
+    assert await tier.put([(key(101), rand((1024,)))]) == [False]
+
+
+def test_free_runs_coalesce() -> None:
+    runs = FreeRuns(10)
+    a, b, c = runs.take(3), runs.take(3), runs.take(4)
+    assert runs.free == 0 and runs.take(1) is None
+    assert a and b and c
+    for r in (a, c, b):
+        runs.give(*r[0])
+    assert runs.free == 10 and runs.take(10) == [(0, 10)]
+
+
+async def test_pinned_delete_is_deferred_until_unpin() -> None:
+    tier = await started(2 * 4096, slot_bytes=4096)
+    t = rand((1024,), seed=1)
+    await tier.put([(key(0), t)])
+    tier.pin([key(0)])
+    view = tier.view(key(0))
+    assert view is not None
+    assert await tier.delete([key(0)]) == 1
+    assert await tier.get([key(0)]) == [None]  # hidden at once
+    assert tier.used_bytes() == 4096  # but its slot is still held
+    assert await tier.put([(key(1), rand((1024,), seed=2))]) == [True]
+    assert await tier.put([(key(2), rand((1024,), seed=3))]) == [False]  # the pinned slot is not reused
+    assert_same(view, t)  # the reader's view is intact
+    tier.unpin([key(0)])
+    assert tier.pool.pinned() == 0 and tier.used_bytes() == 4096
+    assert await tier.put([(key(2), rand((1024,), seed=3))]) == [True]
+
+
+async def test_pins_are_counted() -> None:
+    tier = await started(4 * 4096, slot_bytes=4096)
+    await tier.put([(key(0), rand((1024,)))])
+    tier.pin([key(0)])
+    tier.pin([key(0)])
+    await tier.delete([key(0)])
+    tier.unpin([key(0)])
+    assert tier.used_bytes() == 4096
+    tier.unpin([key(0)])
+    assert tier.used_bytes() == 0 and tier.pool.pinned() == 0
+
+
+async def test_overwrite_when_full_reuses_the_old_slots_unless_pinned() -> None:
+    tier = await started(4096, slot_bytes=4096)
+    await tier.put([(key(0), rand((1024,), seed=1))])
+    new = rand((1024,), seed=2)
+    assert await tier.put([(key(0), new)]) == [True]
+    assert_same((await tier.get([key(0)]))[0], new)
+    tier.pin([key(0)])
+    assert await tier.put([(key(0), rand((1024,), seed=3))]) == [False]
+    assert_same((await tier.get([key(0)]))[0], new)  # a refused overwrite keeps the old record
+    tier.unpin([key(0)])
+
+
+async def test_get_into_and_view() -> None:
+    tier = await started(1 << 20)
+    t = rand((4, 256), torch.bfloat16, seed=5)
+    await tier.put([(key(0), t)])
+    out = torch.empty_like(t)
+    assert await tier.get_into([(key(0), out), (key(1), torch.empty_like(t))]) == [True, False]
+    assert_same(out, t)
+    assert tier.stats().get_hits == 1 and tier.stats().bytes_out == t.numel() * 2
+    with pytest.raises(ValueError, match="bytes"):
+        await tier.get_into([(key(0), torch.empty(3))])
+    view = tier.view(key(0))
+    assert view is not None and view.data_ptr() != t.data_ptr()
+    assert_same(view, t)
+
+
+async def test_get_returns_a_new_tensor() -> None:
+    tier = await started(1 << 20)
+    await tier.put([(key(0), rand((256,)))])
+    [a] = await tier.get([key(0)])
+    assert a is not None
+    a.zero_()
+    [b] = await tier.get([key(0)])
+    assert_same(b, rand((256,)))
+
+
+async def test_zero_size_record() -> None:
+    tier = await started(1 << 20)
+    assert await tier.put([(key(0), torch.empty(0, 4))]) == [True]
+    [got] = await tier.get([key(0)])
+    assert got is not None and tuple(got.shape) == (0, 4) and tier.used_bytes() == 0
+    assert await tier.put([(key(0), torch.empty(0))]) == [True]  # overwrite before any slot size is known
+    assert await tier.put([(key(0), rand((8,)))]) == [True]
+    assert_same((await tier.get([key(0)]))[0], rand((8,)))
+
+
+def test_pool_put_before_start_fails_loudly() -> None:
+    pool = SlotPool(1 << 20)
+    with pytest.raises(RuntimeError, match="not started"):
+        pool.put(key(0), rand((4,)))
+
+
+def test_not_pinned_without_cuda() -> None:
+    tier = CpuTier(CpuTierConfig(name="c", capacity=4096, pin_memory=True))
+    assert tier.pool.pin_memory == torch.cuda.is_available()

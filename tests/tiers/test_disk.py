@@ -1,0 +1,236 @@
+"""The disk tier: the shared contract, layout, persistence, corruption, quota, signing and compression."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from contract import TierContract, assert_same, key, rand
+
+from kvtier.codec import HEADER_SIZE, MAC_BYTES
+from kvtier.config import DiskTierConfig
+from kvtier.errors import ConfigError
+from kvtier.tiers import make_tier
+from kvtier.tiers.base import Tier
+from kvtier.tiers.disk import DiskTier
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class TestDiskContract(TierContract):
+    persistent = True
+
+    async def build(self, env: Any, capacity: int, name: str) -> Tier:
+        tier = make_tier(DiskTierConfig(name=name, capacity=capacity, path=str(env / name)))
+        await tier.start()
+        return tier
+
+
+class TestDiskContractCompressedSigned(TierContract):
+    persistent = True
+    exact_size = False  # compression makes files smaller than stored_size()
+
+    async def build(self, env: Any, capacity: int, name: str) -> Tier:
+        section = DiskTierConfig(name=name, capacity=capacity, path=str(env / name), compression="lz4", fsync=True)
+        tier = make_tier(section, hmac_key=b"secret")
+        await tier.start()
+        return tier
+
+
+async def disk(path: Path, capacity: int = 1 << 24, **kw: Any) -> DiskTier:
+    hmac_key = kw.pop("hmac_key", None)
+    tier = DiskTier(DiskTierConfig(name="disk", capacity=capacity, path=str(path), **kw), hmac_key=hmac_key)
+    await tier.start()
+    return tier
+
+
+def record_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvt"))
+
+
+def test_path_is_required() -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.d\.path"):
+        DiskTier(DiskTierConfig(name="d", capacity=1))
+
+
+async def test_layout_and_directory_modes(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    tier = await disk(root, shard_depth=2)
+    k = key(1)
+    await tier.put([(k, rand((100,)))])
+    [f] = record_files(root)
+    digest = k[16:].hex()
+    assert f == root / k[:16].hex() / digest[:2] / digest[2:4] / f"{k.hex()}.kvt"
+    assert f.stat().st_size == HEADER_SIZE + 400 == tier.used_bytes()
+    d = f.parent
+    while d != tmp_path:  # the root and every level below it
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, (d, oct(d.stat().st_mode))
+        d = d.parent
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    assert not list(root.rglob("*.tmp"))
+
+
+async def test_persistence_across_processes(tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    code = f"""
+import asyncio, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from contract import key, rand
+from kvtier.config import DiskTierConfig
+from kvtier.tiers.disk import DiskTier
+async def main():
+    t = DiskTier(DiskTierConfig(name="d", capacity=1 << 24, path={str(root)!r}))
+    await t.start()
+    assert await t.put([(key(i), rand((8, 64), seed=i)) for i in range(5)]) == [True] * 5
+    await t.close()
+asyncio.run(main())
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+    tier = await disk(root)
+    assert sorted(e.key for e in tier.entries()) == sorted(key(i) for i in range(5))
+    assert tier.used_bytes() == sum(e.size for e in tier.entries()) == 5 * (HEADER_SIZE + 2048)
+    assert await tier.contains([key(0), key(9)]) == [True, False]
+    for i, got in enumerate(await tier.get([key(i) for i in range(5)])):
+        assert_same(got, rand((8, 64), seed=i))
+
+
+async def test_entries_are_oldest_first(tmp_path: Path) -> None:
+    tier = await disk(tmp_path)
+    for i in range(3):
+        await tier.put([(key(i), rand((16,), seed=i))])
+    paths = record_files(tmp_path)
+    for n, i in enumerate((2, 0, 1)):  # make key 2 the oldest
+        p = next(p for p in paths if p.name.startswith(key(i).hex()))
+        os.utime(p, (time.time() - 100 + n, time.time() - 100 + n))
+    again = await disk(tmp_path)
+    assert [e.key for e in again.entries()] == [key(2), key(0), key(1)]
+
+
+@pytest.mark.parametrize("damage", ["bitflip_payload", "bitflip_header", "truncate", "empty", "swap_key"])
+async def test_damaged_record_is_a_miss_removed_and_counted(tmp_path: Path, damage: str) -> None:
+    tier = await disk(tmp_path)
+    await tier.put([(key(0), rand((1000,))), (key(1), rand((1000,), seed=1))])
+    path = next(p for p in record_files(tmp_path) if p.name.startswith(key(0).hex()))
+    data = bytearray(path.read_bytes())
+    if damage == "bitflip_payload":
+        data[HEADER_SIZE + 123] ^= 0x10
+    elif damage == "bitflip_header":
+        data[40] ^= 0x01
+    elif damage == "truncate":
+        data = data[:-7]
+    elif damage == "empty":
+        data = bytearray()
+    else:  # a valid record of another key under this key's name
+        other = next(p for p in record_files(tmp_path) if p.name.startswith(key(1).hex()))
+        data = bytearray(other.read_bytes())
+    path.write_bytes(bytes(data))
+    got = await tier.get([key(0), key(1)])
+    assert got[0] is None
+    assert_same(got[1], rand((1000,), seed=1))
+    assert tier.stats().corrupt == 1
+    assert not path.exists()
+    assert await tier.contains([key(0)]) == [False]
+    assert tier.used_bytes() == HEADER_SIZE + 4000
+
+
+async def test_invalid_files_are_dropped_at_start(tmp_path: Path) -> None:
+    tier = await disk(tmp_path)
+    await tier.put([(key(i), rand((500,), seed=i)) for i in range(4)])
+    files = record_files(tmp_path)
+    files[0].write_bytes(files[0].read_bytes()[:-1])  # truncated
+    raw = bytearray(files[1].read_bytes())
+    raw[5] ^= 0xFF  # header bit flips
+    files[1].write_bytes(bytes(raw))
+    junk = files[2].parent / ("ab" * 32 + ".kvt")
+    junk.write_bytes(b"not a record")
+    again = await disk(tmp_path)
+    assert len(list(again.entries())) == 2 and again.stats().corrupt == 3
+    assert not files[0].exists() and not files[1].exists() and not junk.exists()
+    for e in again.entries():
+        [got] = await again.get([e.key])
+        assert got is not None
+
+
+async def test_stale_temp_files_are_removed_at_start(tmp_path: Path) -> None:
+    tier = await disk(tmp_path)
+    await tier.put([(key(0), rand((10,)))])
+    final = record_files(tmp_path)[0]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = [Path(f"{final}.{int(dead.stdout)}.abcd1234.tmp"), Path(f"{final}.{os.getpid()}.abcd1234.tmp")]
+    old_live = Path(f"{final}.1.deadbeef.tmp")  # pid 1 is alive, but the file is an hour old
+    live = Path(f"{final}.1.cafe0000.tmp")  # pid 1 and fresh: a write in flight elsewhere, kept
+    for p in [*stale, old_live, live]:
+        p.write_bytes(b"partial")
+    os.utime(old_live, (time.time() - 3600, time.time() - 3600))
+    again = await disk(tmp_path)
+    assert [p.exists() for p in [*stale, old_live, live]] == [False, False, False, True]
+    assert again.stats().extra["temp_removed"] == 3
+    assert [e.key for e in again.entries()] == [key(0)]
+
+
+async def test_quota_counts_whole_files_and_is_enforced_at_start(tmp_path: Path) -> None:
+    size = HEADER_SIZE + 4096
+    tier = await disk(tmp_path, capacity=3 * size)
+    assert await tier.put([(key(i), rand((1024,), seed=i)) for i in range(4)]) == [True] * 3 + [False]
+    assert tier.used_bytes() == 3 * size == sum(p.stat().st_size for p in record_files(tmp_path))
+    smaller = await disk(tmp_path, capacity=2 * size)  # the quota was lowered: oldest dropped
+    assert smaller.used_bytes() <= 2 * size and len(record_files(tmp_path)) == 2
+    assert smaller.stats().evictions == 1
+
+
+async def test_signed_records(tmp_path: Path) -> None:
+    signer = await disk(tmp_path, hmac_key=b"k1")
+    t = rand((300,))
+    await signer.put([(key(0), t)])
+    assert signer.used_bytes() == HEADER_SIZE + MAC_BYTES + 1200 == signer.stored_size(1200)
+    assert_same((await (await disk(tmp_path, hmac_key=b"k1")).get([key(0)]))[0], t)
+    wrong = await disk(tmp_path, hmac_key=b"k2")
+    assert await wrong.get([key(0)]) == [None] and wrong.stats().corrupt == 1
+    plain = await disk(tmp_path / "plain")
+    await plain.put([(key(1), t)])
+    strict = await disk(tmp_path / "plain", hmac_key=b"k1")
+    assert await strict.get([key(1)]) == [None] and strict.stats().corrupt == 1  # unsigned refused
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd"])
+async def test_compression_shrinks_files(tmp_path: Path, compression: str) -> None:
+    tier = await disk(tmp_path, compression=compression)
+    t = torch.zeros(64, 1024, dtype=torch.bfloat16)
+    t[:, :8] = 1.5
+    await tier.put([(key(0), t)])
+    assert tier.used_bytes() < tier.stored_size(t.numel() * 2) // 4
+    assert_same((await (await disk(tmp_path)).get([key(0)]))[0], t)
+
+
+async def test_file_removed_behind_our_back_is_a_miss(tmp_path: Path) -> None:
+    tier = await disk(tmp_path)
+    await tier.put([(key(0), rand((10,)))])
+    record_files(tmp_path)[0].unlink()
+    assert await tier.get([key(0)]) == [None]
+    assert tier.used_bytes() == 0 and await tier.contains([key(0)]) == [False]
+    assert tier.stats().corrupt == 0
+
+
+async def test_reads_records_written_by_another_process_after_start(tmp_path: Path) -> None:
+    reader = await disk(tmp_path)
+    writer = await disk(tmp_path)
+    await writer.put([(key(3), rand((64,), seed=3))])
+    assert await reader.contains([key(3)]) == [False]  # contains answers from the index
+    assert_same((await reader.get([key(3)]))[0], rand((64,), seed=3))
+    assert await reader.contains([key(3)]) == [True]
+    assert await reader.delete([key(3)]) == 1 and not record_files(tmp_path)
+
+
+async def test_concurrent_puts_of_one_key_keep_the_index_exact(tmp_path: Path) -> None:
+    tier = await disk(tmp_path)
+    small, big = rand((10,)), rand((1000,), seed=1)
+    assert await tier.put([(key(0), small), (key(0), big)]) == [True, True]
+    assert_same((await tier.get([key(0)]))[0], big)
+    assert tier.used_bytes() == HEADER_SIZE + 4000 == record_files(tmp_path)[0].stat().st_size

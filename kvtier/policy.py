@@ -6,87 +6,38 @@ on a hit, ``remove(key)`` when a key leaves for another reason, and ``evict(n, p
 forget up to ``n`` victims, never one in ``protected`` (pinned or in flight). Policies know nothing of bytes:
 the directory evicts until enough bytes are free. ``capacity`` is in entries and is a hint (ARC sizes its
 ghost lists with it); ``set_capacity`` updates it.
+
+The implementations live in ``kvtier.policies``; this module is the registry everything else imports.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable
 
-from kvtier.keys import Key
+from kvtier.policies.arc import ARCPolicy
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.hitdensity import PrefixHitDensityPolicy
+from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.prefix_lru import PrefixLRUPolicy
+from kvtier.policies.s3fifo import S3FIFOPolicy
 
-
-class EvictionPolicy(ABC):
-    """Orders one tier's keys for eviction."""
-
-    name: str = ""
-
-    def __init__(self, capacity: int = 0) -> None:
-        self.capacity = capacity
-
-    def set_capacity(self, capacity: int) -> None:
-        self.capacity = capacity
-
-    @abstractmethod
-    def insert(self, key: Key, parent: Key | None = None) -> None: ...
-
-    @abstractmethod
-    def touch(self, key: Key) -> None: ...
-
-    @abstractmethod
-    def remove(self, key: Key) -> None: ...
-
-    @abstractmethod
-    def evict(self, n: int, protected: Container[Key] = ()) -> list[Key]: ...
-
-    @abstractmethod
-    def __contains__(self, key: object) -> bool: ...
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-
-class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
-
-    name = "lru"
-
-    def __init__(self, capacity: int = 0) -> None:
-        super().__init__(capacity)
-        self._order: OrderedDict[Key, None] = OrderedDict()
-
-    def insert(self, key: Key, parent: Key | None = None) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def touch(self, key: Key) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def remove(self, key: Key) -> None:
-        self._order.pop(key, None)
-
-    def evict(self, n: int, protected: Container[Key] = ()) -> list[Key]:
-        victims: list[Key] = []
-        for key in self._order:
-            if len(victims) >= n:
-                break
-            if key not in protected:
-                victims.append(key)
-        for key in victims:
-            del self._order[key]
-        return victims
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
-
+__all__ = [
+    "POLICIES",
+    "ARCPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PrefixHitDensityPolicy",
+    "PrefixLRUPolicy",
+    "S3FIFOPolicy",
+    "make_policy",
+]
 
 POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LRUPolicy,
+    "prefix_lru": PrefixLRUPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "prefix_hd": PrefixHitDensityPolicy,
 }
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks reachable as ``kvtier bench <name>``: hit-rate replay, tier throughput, TTFT, overhead."""

@@ -1,0 +1,55 @@
+"""Benchmarks: ``kvtier bench <name> [options]``; ``kvtier bench <name> --help`` for each one's options.
+
+Each benchmark is a module with ``add_arguments(parser)`` and ``run(args) -> int``, imported only when
+chosen (the bandwidth and TTFT ones import torch; the hit-rate replay needs nothing heavy). A benchmark
+whose module is missing is reported as unavailable; the others keep working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+HELP = "run a benchmark: hit-rate, throughput, ttft, overhead"
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "hit-rate": ("kvtier.bench.hitrate", "token hit rate of each eviction policy on a trace or workload"),
+    "throughput": ("kvtier.bench.throughput", "store/load GB/s of each tier beside the raw limit of its medium"),
+    "ttft": ("kvtier.bench.ttft", "time to first token on the reference engine, no cache vs each tier"),
+    "overhead": ("kvtier.bench.overhead", "scheduler-side cost per request when nothing is reused"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark name and everything after it, which that benchmark's own parser reads."""
+    listing = "\n".join(f"  {name:<11} {text}" for name, (_, text) in BENCHMARKS.items())
+    parser.epilog = f"benchmarks:\n{listing}"
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("benchmark", choices=sorted(BENCHMARKS), metavar="BENCHMARK",
+                        help=f"one of {', '.join(BENCHMARKS)}")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="...", help="options of the benchmark")
+
+
+def build_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
+    """The argument parser of benchmark ``name`` and its module; ``ImportError`` when it is unavailable."""
+    module_path, text = BENCHMARKS[name]
+    module = importlib.import_module(module_path)
+    add, run_fn = getattr(module, "add_arguments", None), getattr(module, "run", None)
+    if not (callable(add) and callable(run_fn)):
+        raise ImportError(f"{module_path} defines no add_arguments(parser) / run(args)")
+    parser = argparse.ArgumentParser(prog=f"kvtier bench {name}", description=module.__doc__ or text,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(parser)
+    return parser, run_fn
+
+
+def run(args: argparse.Namespace) -> int:
+    """Import the chosen benchmark, parse its options, run it."""
+    try:
+        parser, run_fn = build_parser(args.benchmark)
+    except ImportError as exc:
+        print(f"kvtier: error: benchmark {args.benchmark!r} is not available ({exc})", file=sys.stderr)
+        return 2
+    bench_args = parser.parse_args(args.bench_args)
+    return int(run_fn(bench_args))  # type: ignore[operator]

@@ -1,0 +1,357 @@
+"""Hit-rate replay, ``kvtier bench hit-rate``: a workload through kvtier's own directory and policies.
+
+Chunk by chunk, without moving bytes: an hour-long trace replays in seconds.
+
+Semantics: a request hits the longest prefix of its chunks held by any tier (each hit chunk is attributed to
+the tier holding it); then all its chunks are inserted (misses) or touched (hits) in prefix order. New and
+promoted chunks go to tier 0; a tier that is full asks its policy for a victim, which is demoted to the next
+tier (exclusive tiers) or dropped from the last one. Token hit rate = sum of min(hit chunks x chunk tokens,
+input length) over the sum of input lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from tqdm import tqdm
+
+from kvtier.bench.belady import BeladyPolicy, belady_schedule
+from kvtier.bench.workloads import GENERATORS, Workload, load_mooncake
+from kvtier.cli_check import parse_model_shape
+from kvtier.config_parse import parse_size
+from kvtier.directory import Directory, TierSlot
+from kvtier.errors import ConfigError
+from kvtier.keys import Key
+from kvtier.policy import POLICIES, EvictionPolicy, make_policy
+
+HELP = "token hit rate of each eviction policy on a trace or synthetic workload, beside Belady's"
+
+
+class DirectoryStack:
+    """Tiers of one-chunk slots managed by kvtier's own ``Directory``, each ordered by its own policy."""
+
+    def __init__(self, policies: Sequence[EvictionPolicy], capacities: Sequence[int]) -> None:
+        if len(policies) != len(capacities) or not policies:
+            raise ValueError("need one capacity per policy, and at least one tier")
+        self.capacities = list(capacities)
+        self.names = [f"tier{i}" for i in range(len(capacities))]
+        slots = [TierSlot(n, c, p) for n, c, p in zip(self.names, capacities, policies, strict=True)]
+        self.directory = Directory(slots)
+        self._index = {n: i for i, n in enumerate(self.names)}
+
+    def hit_tiers(self, chunks: Sequence[Hashable]) -> list[int]:
+        """Tier index of each chunk of the longest held prefix."""
+        return [self._index[n] for n in self.directory.lookup(cast("list[Key]", chunks))]
+
+    def _tier_of(self, key: Key) -> str | None:
+        for name in self.names:
+            if self.directory.contains(name, key):
+                return name
+        return None
+
+    def access(self, chunks: Sequence[Hashable]) -> None:
+        """Insert or touch every chunk in prefix order; a hit below tier 0 is promoted to tier 0."""
+        directory, top, chain = self.directory, self.names[0], self.names[1:]
+        parent: Key | None = None
+        for key in cast("list[Key]", chunks):
+            tier = self._tier_of(key)
+            if tier == top:
+                directory.touch(top, (key,))
+            else:
+                if tier is not None:
+                    directory.remove(tier, (key,))
+                for plan in directory.prepare_store(top, [(key, 1, parent)], demote_chain=chain):
+                    directory.complete_store(plan.tier, plan.store, True)
+            parent = key
+
+
+@dataclass
+class ReplayStats:
+    """Counters of one replay; rates are fractions of the workload's input tokens or requests."""
+
+    policy: str
+    capacities: list[int]
+    total_tokens: int = 0
+    total_chunks: int = 0
+    hit_chunks: int = 0
+    hit_tokens: int = 0
+    requests: int = 0
+    hit_requests: int = 0
+    tier_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    @property
+    def chunk_hit_rate(self) -> float:
+        """Hit chunks over requested chunks (the per-block rate of the trace README)."""
+        return self.hit_chunks / self.total_chunks if self.total_chunks else 0.0
+
+    @property
+    def request_hit_rate(self) -> float:
+        return self.hit_requests / self.requests if self.requests else 0.0
+
+    def tier_rates(self, names: Sequence[str]) -> dict[str, float]:
+        """Token hit rate attributed to each tier."""
+        total = self.total_tokens or 1
+        return {n: t / total for n, t in zip(names, self.tier_tokens, strict=True)}
+
+
+def replay(workload: Workload, stack: DirectoryStack, name: str = "",
+           progress: Callable[[int], Any] | None = None) -> ReplayStats:
+    """Replay ``workload`` through ``stack``; ``progress(n)`` is called every 1,000 requests."""
+    stats = ReplayStats(name, list(stack.capacities), tier_tokens=[0] * len(stack.capacities))
+    ct = workload.chunk_tokens
+    for i, req in enumerate(workload.requests, 1):
+        tiers = stack.hit_tiers(req.chunks)
+        stats.requests += 1
+        stats.total_tokens += req.input_len
+        stats.total_chunks += len(req.chunks)
+        stats.hit_chunks += len(tiers)
+        if tiers:
+            stats.hit_requests += 1
+            for j, tier in enumerate(tiers):
+                tokens = min(ct, req.input_len - j * ct)
+                if tokens > 0:
+                    stats.tier_tokens[tier] += tokens
+                    stats.hit_tokens += tokens
+        stack.access(req.chunks)
+        if progress is not None and i % 1000 == 0:
+            progress(1000)
+    return stats
+
+
+def replay_policy(workload: Workload, policy: str, capacities: Sequence[int],
+                  progress: Callable[[int], Any] | None = None) -> ReplayStats:
+    """Replay with the registered ``policy`` on every tier (capacities in chunks, fastest tier first)."""
+    stack = DirectoryStack([make_policy(policy, c) for c in capacities], capacities)
+    return replay(workload, stack, policy, progress)
+
+
+def belady_hit_rate(workload: Workload, capacity: int) -> float:
+    """Token hit rate of Belady's offline policy with one tier of ``capacity`` chunks."""
+    stack = DirectoryStack([BeladyPolicy(iter(belady_schedule(workload)), capacity)], [capacity])
+    return replay(workload, stack, "belady").hit_rate
+
+
+def ideal_hit_rate(workload: Workload) -> float:
+    """Token hit rate of an infinite cache."""
+    return ideal_stats(workload).hit_rate
+
+
+def ideal_stats(workload: Workload) -> ReplayStats:
+    """The replay counters of an infinite cache."""
+    seen: set[Hashable] = set()
+    stats = ReplayStats("infinite", [])
+    for req in workload.requests:
+        n = 0
+        for key in req.chunks:
+            if key not in seen:
+                break
+            n += 1
+        stats.requests += 1
+        stats.hit_requests += n > 0
+        stats.hit_chunks += n
+        stats.total_chunks += len(req.chunks)
+        stats.hit_tokens += min(n * workload.chunk_tokens, req.input_len)
+        stats.total_tokens += req.input_len
+        seen.update(req.chunks)
+    return stats
+
+
+# ---- sweeps, report, plot -------------------------------------------------------------------------------
+
+
+def parse_capacities(spec: str, unique_chunks: int, chunk_bytes: int | None = None) -> list[int]:
+    """Capacities in chunks from a comma list: '1000', '10%' (of unique chunks), '8GiB' (with ``chunk_bytes``).
+
+    A trailing '%' on the last item applies to all of them: '5,10,20,40%'.
+    """
+    items = [x.strip() for x in spec.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"no capacity in {spec!r}")
+    if items[-1].endswith("%"):
+        items = [x if x.endswith("%") else x + "%" for x in items]
+    return [_capacity(x, unique_chunks, chunk_bytes) for x in items]
+
+
+def _capacity(item: str, unique_chunks: int, chunk_bytes: int | None) -> int:
+    if item.endswith("%"):
+        return max(1, round(float(item[:-1]) / 100 * unique_chunks))
+    if item.isdigit():
+        return int(item)
+    if chunk_bytes is None:
+        raise ValueError(f"capacity {item!r} is a size in bytes: give --model-shape (or use chunks or N%)")
+    return parse_size(item, "--capacity") // chunk_bytes
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What to replay: policies x single-tier capacities, plus optional multi-tier set-ups."""
+
+    policies: tuple[str, ...]
+    capacities: tuple[int, ...]
+    tier_setups: tuple[tuple[int, ...], ...] = ()
+    belady: bool = True
+
+
+def sweep(workload: Workload, spec: SweepSpec, progress: bool = False) -> dict[str, Any]:
+    """Replay every policy at every capacity (and tier set-up); the result document of the JSON output."""
+    unique = workload.unique_chunks()
+    runs: list[tuple[str, tuple[int, ...]]] = [(p, (c,)) for c in spec.capacities for p in spec.policies]
+    runs += [(p, t) for t in spec.tier_setups for p in spec.policies]
+    bar = tqdm(total=len(runs) * len(workload.requests), unit="req", disable=not progress, leave=False)
+    belady: dict[int, float] = {}
+    results = []
+    with bar:
+        for policy, caps in runs:
+            stats = replay_policy(workload, policy, caps, bar.update)
+            bar.update(len(workload.requests) % 1000)
+            total = sum(caps)
+            if spec.belady and total not in belady:
+                belady[total] = belady_hit_rate(workload, total)
+            results.append({
+                "policy": policy, "capacity_chunks": total, "capacity_fraction": total / unique if unique else 0.0,
+                "tier_capacities": list(caps), "hit_rate": stats.hit_rate,
+                "request_hit_rate": stats.request_hit_rate, "chunk_hit_rate": stats.chunk_hit_rate,
+                "belady_hit_rate": belady.get(total),
+                "tiers": stats.tier_rates([f"tier{i}" for i in range(len(caps))]),
+            })
+    ideal = ideal_stats(workload)
+    return {"workload": workload.name, "chunk_tokens": workload.chunk_tokens, "requests": len(workload.requests),
+            "unique_chunks": unique, "input_tokens": ideal.total_tokens, "ideal_hit_rate": ideal.hit_rate,
+            "ideal_chunk_hit_rate": ideal.chunk_hit_rate, "results": results}
+
+
+def table(doc: dict[str, Any]) -> str:
+    """A plain-text table of a sweep document."""
+    lines = [f"{doc['workload']}: {doc['requests']} requests, {doc['unique_chunks']} unique chunks of "
+             f"{doc['chunk_tokens']} tokens; infinite cache {doc['ideal_hit_rate']:.1%}",
+             f"{'policy':<12}{'capacity':>20}{'hit rate':>10}{'req hit':>9}{'belady':>9}  tiers"]
+    for r in doc["results"]:
+        caps = "+".join(str(c) for c in r["tier_capacities"])
+        bel = "" if r["belady_hit_rate"] is None else f"{r['belady_hit_rate']:.1%}"
+        tiers = " ".join(f"{k}={v:.1%}" for k, v in r["tiers"].items()) if len(r["tiers"]) > 1 else ""
+        caps += f" ({r['capacity_fraction']:.0%})"
+        lines.append(f"{r['policy']:<12}{caps:>20}{r['hit_rate']:>10.1%}"
+                     f"{r['request_hit_rate']:>9.1%}{bel:>9}  {tiers}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: Path) -> Path:
+    """Token hit rate vs capacity per policy (single-tier runs), with Belady's and the infinite cache's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = [r for r in doc["results"] if len(r["tier_capacities"]) == 1]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for policy in dict.fromkeys(r["policy"] for r in single):
+        rows = sorted((r for r in single if r["policy"] == policy), key=lambda r: r["capacity_chunks"])
+        ax.plot([100 * r["capacity_fraction"] for r in rows], [100 * r["hit_rate"] for r in rows], "o-", label=policy)
+    bel = sorted({(r["capacity_fraction"], r["belady_hit_rate"]) for r in single if r["belady_hit_rate"] is not None})
+    if bel:
+        ax.plot([100 * x for x, _ in bel], [100 * y for _, y in bel], "k--", label="Belady (offline)")
+    ax.axhline(100 * doc["ideal_hit_rate"], color="grey", linestyle=":", label="infinite cache")
+    ax.set_xscale("log")
+    ticks = sorted({100 * r["capacity_fraction"] for r in single})
+    ax.set_xticks(ticks, [f"{t:.3g}%" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel(f"capacity, % of {doc['unique_chunks']:,} unique chunks (log scale)")
+    ax.set_ylabel("token hit rate, %")
+    ax.set_title(f"{doc['workload']} ({doc['requests']:,} requests, {doc['chunk_tokens']}-token chunks)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvtier bench hit-rate``."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--trace", type=Path, help=f"Mooncake-format JSONL trace (default {DEFAULT_TRACE} if present)")
+    src.add_argument("--workload", choices=sorted(GENERATORS), help="a seeded synthetic workload instead")
+    parser.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="generator parameter, repeatable (e.g. users=100, repeat_mode=tile)")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    cap = parser.add_mutually_exclusive_group()
+    cap.add_argument("--capacity", help="one capacity: chunks (1000) or a share of the unique chunks (10%%)")
+    cap.add_argument("--capacity-bytes", help="one capacity in bytes (8GiB); needs the model shape")
+    cap.add_argument("--sweep", help="comma list of capacities (default 5,10,20,40%%)")
+    parser.add_argument("--model-shape", default="llama-3.1-8b",
+                        help="layers=N,kv_heads=N,head_size=N,dtype=D or a preset (for byte capacities)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma list (default: all registered)")
+    parser.add_argument("--tiers", action="append", default=[], metavar="CAPS",
+                        help="a multi-tier set-up, fastest first, e.g. 5%%,10%% (repeatable)")
+    parser.add_argument("--no-belady", action="store_true", help="skip Belady's offline optimum")
+    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--json", type=Path, help="write the result document here")
+    parser.add_argument("--plot", type=Path, help="write a hit-rate-vs-capacity PNG here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def load_workload(args: argparse.Namespace) -> Workload:
+    """The trace or generated workload the options name, cut to ``--limit`` requests."""
+    if args.workload:
+        factory = GENERATORS[args.workload]
+        params: dict[str, Any] = {"seed": args.seed}
+        for item in args.workload_arg:
+            key, sep, value = item.partition("=")
+            if not sep or key not in inspect.signature(factory).parameters:
+                raise ConfigError("--workload-arg", f"bad item {item!r}",
+                                  f"keys of {args.workload}: {', '.join(inspect.signature(factory).parameters)}")
+            params[key] = value if key == "repeat_mode" else int(value)
+        return factory(**params).head(args.limit)
+    trace = args.trace or DEFAULT_TRACE
+    if not trace.is_file():
+        raise ConfigError("--trace", f"no trace file at {trace}", "give --trace PATH or --workload NAME")
+    return load_mooncake(trace, args.limit)
+
+
+def spec_from(args: argparse.Namespace, workload: Workload) -> SweepSpec:
+    """The sweep the options ask for."""
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ConfigError("--policies", f"unknown policies {unknown}", f"use some of {', '.join(POLICIES)}")
+    unique = workload.unique_chunks()
+    chunk_bytes = parse_model_shape(args.model_shape).bytes_per_token * workload.chunk_tokens
+    try:
+        if args.capacity_bytes:
+            caps = [parse_size(args.capacity_bytes, "--capacity-bytes") // chunk_bytes]
+        else:
+            caps = parse_capacities(args.capacity or args.sweep or "5,10,20,40%", unique, chunk_bytes)
+        tiers = tuple(tuple(parse_capacities(t, unique, chunk_bytes)) for t in args.tiers)
+    except ValueError as exc:
+        raise ConfigError("--capacity", str(exc)) from None
+    return SweepSpec(policies, tuple(caps), tiers, belady=not args.no_belady)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay, print the table, write the JSON and the PNG when asked."""
+    workload = load_workload(args)
+    doc = sweep(workload, spec_from(args, workload), progress=not args.no_progress)
+    print(table(doc))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot(doc, args.plot)}")
+    return 0

@@ -1,0 +1,185 @@
+"""Workloads for the hit-rate replay: a request is a list of chunk ids (prefix order) and an input length.
+
+Chunk ids identify content *and* prefix: equal ids mean the same chunk after the same prefix, as in the
+Mooncake FAST'25 traces (``hash_ids``, one per 512-token block, the last one usually partial). The seeded
+generators build prompts from text segments and intern each chunk as ``(parent id, pieces of segments it
+covers)``, so a chunk's id changes whenever anything before or inside it changes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One prompt: its chunk ids in prefix order and its length in tokens."""
+
+    chunks: tuple[Hashable, ...]
+    input_len: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named sequence of requests cut into chunks of ``chunk_tokens``."""
+
+    name: str
+    chunk_tokens: int
+    requests: tuple[Request, ...]
+
+    def unique_chunks(self) -> int:
+        """Number of distinct chunk ids in the workload."""
+        return len({c for r in self.requests for c in r.chunks})
+
+    def head(self, limit: int | None) -> Workload:
+        """The first ``limit`` requests (all when None)."""
+        if limit is None or limit >= len(self.requests):
+            return self
+        return Workload(self.name, self.chunk_tokens, self.requests[:limit])
+
+
+def load_mooncake(path: str | Path, limit: int | None = None) -> Workload:
+    """Read a Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)."""
+    path = Path(path)
+    requests: list[Request] = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                requests.append(Request(tuple(row["hash_ids"]), int(row["input_length"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace line ({exc})") from None
+    return Workload(f"mooncake:{path.name}", MOONCAKE_BLOCK_TOKENS, tuple(requests))
+
+
+Segment = tuple[int, int]  # (segment id, length in tokens)
+
+
+class ChunkInterner:
+    """Cuts prompts made of segments into chunks and gives each (parent, content) a small int id."""
+
+    def __init__(self, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self._ids: dict[tuple[int, tuple[tuple[int, int, int], ...]], int] = {}
+
+    def request(self, segments: Sequence[Segment]) -> Request:
+        """The request whose prompt is the concatenation of ``segments``."""
+        chunks: list[int] = []
+        pieces: list[tuple[int, int, int]] = []
+        room = self.chunk_tokens
+        for seg, length in segments:
+            start = 0
+            while start < length:
+                take = min(room, length - start)
+                pieces.append((seg, start, start + take))
+                start += take
+                room -= take
+                if room == 0:
+                    chunks.append(self._intern(chunks, pieces))
+                    pieces, room = [], self.chunk_tokens
+        if pieces:
+            chunks.append(self._intern(chunks, pieces))
+        return Request(tuple(chunks), sum(length for _, length in segments))
+
+    def _intern(self, chunks: list[int], pieces: list[tuple[int, int, int]]) -> int:
+        key = (chunks[-1] if chunks else -1, tuple(pieces))
+        return self._ids.setdefault(key, len(self._ids))
+
+
+class _Segments:
+    """Fresh segment ids with random lengths."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.next_id = 0
+
+    def new(self, low: int, high: int) -> Segment:
+        self.next_id += 1
+        return (self.next_id, self.rng.randint(low, high))
+
+
+def _interleave(rng: random.Random, streams: list[Iterator[list[Segment]]]) -> Iterator[list[Segment]]:
+    """Yield from randomly chosen live streams until all are exhausted (concurrent sessions)."""
+    live = list(streams)
+    while live:
+        i = rng.randrange(len(live))
+        try:
+            yield next(live[i])
+        except StopIteration:
+            live.pop(i)
+
+
+def multi_round_qa(users: int = 50, rounds: int = 8, system_tokens: int = 2000, question_tokens: int = 300,
+                   answer_tokens: int = 400, chunk_tokens: int = 256, seed: int = 0) -> Workload:
+    """Users share one system prompt; each round a user asks a question after its whole history."""
+    rng = random.Random(seed)
+    segs = _Segments(rng)
+    system = segs.new(system_tokens, system_tokens)
+
+    def user() -> Iterator[list[Segment]]:
+        history: list[Segment] = []
+        for _ in range(rng.randint(1, rounds)):
+            question = segs.new(question_tokens // 2, question_tokens * 3 // 2)
+            yield [system, *history, question]
+            history += [question, segs.new(answer_tokens // 2, answer_tokens * 3 // 2)]
+
+    interner = ChunkInterner(chunk_tokens)
+    reqs = tuple(interner.request(p) for p in _interleave(rng, [user() for _ in range(users)]))
+    return Workload(f"multi-round(users={users},rounds={rounds},seed={seed})", chunk_tokens, reqs)
+
+
+REPEAT_MODES = ("random", "tile", "interleave")
+
+
+def long_doc_qa(documents: int = 20, doc_tokens: int = 10000, repeats: int = 3, repeat_mode: str = "random",
+                question_tokens: int = 64, chunk_tokens: int = 256, seed: int = 0) -> Workload:
+    """Questions over long documents: each document asked ``repeats`` times, in the given order."""
+    if repeat_mode not in REPEAT_MODES:
+        raise ValueError(f"unknown repeat mode {repeat_mode!r}; use one of {REPEAT_MODES}")
+    rng = random.Random(seed)
+    segs = _Segments(rng)
+    docs = [segs.new(doc_tokens // 2, doc_tokens * 3 // 2) for _ in range(documents)]
+    if repeat_mode == "tile":
+        order = [d for _ in range(repeats) for d in range(documents)]
+    elif repeat_mode == "interleave":
+        order = [d for d in range(documents) for _ in range(repeats)]
+    else:
+        order = [d for d in range(documents) for _ in range(repeats)]
+        rng.shuffle(order)
+    interner = ChunkInterner(chunk_tokens)
+    reqs = tuple(interner.request([docs[d], segs.new(question_tokens, question_tokens)]) for d in order)
+    name = f"long-doc(documents={documents},repeats={repeats},mode={repeat_mode},seed={seed})"
+    return Workload(name, chunk_tokens, reqs)
+
+
+def agentic(sessions: int = 30, turns: int = 12, system_tokens: int = 4000, tool_tokens: int = 1200,
+            action_tokens: int = 200, chunk_tokens: int = 256, seed: int = 0) -> Workload:
+    """Agent sessions: each turn re-sends the whole context grown by the last action and tool output."""
+    rng = random.Random(seed)
+    segs = _Segments(rng)
+    system = segs.new(system_tokens, system_tokens)
+
+    def session() -> Iterator[list[Segment]]:
+        context: list[Segment] = [system, segs.new(200, 1000)]  # system prompt + task
+        for _ in range(rng.randint(2, turns)):
+            yield list(context)
+            context += [segs.new(action_tokens // 2, action_tokens * 2), segs.new(tool_tokens // 4, tool_tokens * 2)]
+
+    interner = ChunkInterner(chunk_tokens)
+    reqs = tuple(interner.request(p) for p in _interleave(rng, [session() for _ in range(sessions)]))
+    return Workload(f"agentic(sessions={sessions},turns={turns},seed={seed})", chunk_tokens, reqs)
+
+
+GENERATORS: dict[str, Callable[..., Workload]] = {
+    "multi-round": multi_round_qa, "long-doc": long_doc_qa, "agentic": agentic,
+}

@@ -1,0 +1,232 @@
+"""Prefix-aware hit density (``prefix_hd``): per-class LRU queues; evict the class tail least likely reused soon.
+
+Designed for prefix-structured KV reuse, where a chunk is first reused minutes after it is stored (a
+conversation's next turn, another question on the same document), most chunks are never reused, and no
+reuse at all happens at short range, so the recency/frequency signals of ARC and S3-FIFO say little. The
+policy sees requests as runs of calls in prefix order that start at a root (a key inserted with ``parent``
+None) and puts each key in a class:
+
+- ``tail``: the last chunk a request stored (usually a partial block that the next turn supersedes);
+- ``reused``: accessed again once, twice, or three times or more;
+- ``fresh``: never reused yet; split by whether its request continued a deep hit (a later turn) and, once
+  the request ends, by how many chunks the request stored (log2 buckets).
+
+For each class it learns how likely a key is to be accessed again at each age: reuses per age bin over
+key-time spent in that bin (exposure), counting reuses of evicted keys seen through a ghost list, so that
+it learns what keeping a class longer would give. The value of a key of class c and age a is the chance of
+a reuse within the next ``horizon`` x capacity calls. Within a class the oldest key has the lowest value
+once past the reuse peak, so eviction compares only the class tails. Ages count calls (insert and touch):
+the policy needs no wall clock and no random source.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container
+from dataclasses import dataclass
+
+from kvtier.keys import Key
+from kvtier.policies.base import EvictionPolicy, pick_unprotected
+
+TAIL = 0
+REUSED = (1, 2, 3)  # accessed again once, twice, three times or more
+FRESH = 4  # + FRESH_SPAN * continuation + (0 while its request runs | 1 + log2 bucket of its stored count)
+FRESH_SPAN = 9
+NUM_CLASSES = FRESH + 2 * FRESH_SPAN
+NUM_BINS = 128
+BINS_PER_CAPACITY = 8
+
+
+def _log2_bucket(n: int, top: int) -> int:
+    """floor(log2(n + 1)), capped at ``top``."""
+    return min((n + 1).bit_length() - 1, top)
+
+
+@dataclass(slots=True)
+class _Entry:
+    cls: int
+    stamp: int  # clock at last access
+    uses: int
+    root: bool  # inserted with parent None: starts a request
+
+
+class _ClassStats:
+    """Reuses and exposure (keys x bins spent) per age bin of one class, and the resulting values."""
+
+    def __init__(self) -> None:
+        self.hits = [0.0] * NUM_BINS
+        self.exposure = [0.0] * NUM_BINS
+        self.values = [1.0 - b / NUM_BINS for b in range(NUM_BINS)]  # LRU-like until data arrives
+
+    def hazard(self) -> list[float | None]:
+        """Chance of a reuse while crossing each bin; None where nothing was observed."""
+        return [min(h / e, 1.0) if e > 0 else None for h, e in zip(self.hits, self.exposure, strict=True)]
+
+    def recompute(self, horizon_bins: int, prior: list[float | None]) -> None:
+        """values[b] = 1 - P(no reuse in bins b .. b + horizon - 1), the prior filling unobserved bins."""
+        keep = [1.0 - (h if h is not None else (p or 0.0)) for h, p in zip(self.hazard(), prior, strict=True)]
+        for b in range(NUM_BINS):
+            stay = 1.0
+            for k in keep[b:b + horizon_bins]:
+                stay *= k
+            self.values[b] = 1.0 - stay
+
+    def decay(self, factor: float) -> None:
+        self.hits = [x * factor for x in self.hits]
+        self.exposure = [x * factor for x in self.exposure]
+
+
+class PrefixHitDensityPolicy(EvictionPolicy):
+    """Learned, class-based eviction for prefix-structured reuse (see the module docstring)."""
+
+    name = "prefix_hd"
+
+    def __init__(self, capacity: int = 0, horizon: float = 2.0, ghost_factor: float = 4.0,
+                 refresh: float = 0.25, decay: float = 0.9) -> None:
+        self.horizon, self.ghost_factor, self.refresh, self.decay = horizon, ghost_factor, refresh, decay
+        super().__init__(capacity)
+        self.queues: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(NUM_CLASSES)]
+        self.entries: dict[Key, _Entry] = {}
+        self.ghosts: OrderedDict[Key, _Entry] = OrderedDict()
+        self.stats = [_ClassStats() for _ in range(NUM_CLASSES)]
+        self.clock = 0
+        self._refreshed_at = 0
+        self._pos = 0  # position of the current call in its request
+        self._hit_end = -1  # position of the request's first insert, -1 before it
+        self._stored: list[Key] = []  # fresh keys stored by the current request
+        self._last_insert: Key | None = None
+        self.set_capacity(capacity)
+
+    def set_capacity(self, capacity: int) -> None:
+        super().set_capacity(capacity)
+        self.bin_width = max(1, capacity // BINS_PER_CAPACITY)
+        self.refresh_period = max(64, int(capacity * self.refresh))
+        self.horizon_bins = max(1, round(self.horizon * BINS_PER_CAPACITY))
+
+    def _age_bin(self, entry: _Entry) -> int:
+        return min((self.clock - entry.stamp) // self.bin_width, NUM_BINS - 1)
+
+    # -- request tracking and classes ------------------------------------------------------------------
+
+    def _advance(self, root: bool) -> None:
+        self.clock += 1
+        if self.clock - self._refreshed_at >= self.refresh_period:
+            self._refresh()
+        if root:
+            self._end_request()
+            self._pos, self._hit_end = 0, -1
+        else:
+            self._pos += 1
+        self._last_insert = None
+
+    def _end_request(self) -> None:
+        """Classify the fresh keys of the request that just ended by its stored count; its last is a tail."""
+        stored, self._stored = self._stored, []
+        if not stored:
+            return
+        base = FRESH + FRESH_SPAN * (self._hit_end >= 2) + 1 + _log2_bucket(len(stored) - 1, 7)
+        for key in stored:
+            self._reclassify(key, base)
+        if self._last_insert is not None:
+            self._reclassify(self._last_insert, TAIL)
+
+    def _reclassify(self, key: Key, cls: int) -> None:
+        entry = self.entries.get(key)
+        if entry is not None and entry.uses == 1:
+            del self.queues[entry.cls][key]
+            entry.cls = cls
+            self.queues[cls][key] = None
+
+    def _fresh_class(self) -> int:
+        if self._hit_end < 0:
+            self._hit_end = self._pos
+        return FRESH + FRESH_SPAN * (self._hit_end >= 2)
+
+    # -- learning ----------------------------------------------------------------------------------------
+
+    def _record_reuse(self, entry: _Entry) -> None:
+        self.stats[entry.cls].hits[self._age_bin(entry)] += 1
+
+    def _refresh(self) -> None:
+        """Add the exposure since the last refresh (occupancy snapshot x bins elapsed); recompute values."""
+        elapsed = (self.clock - self._refreshed_at) / self.bin_width
+        self._refreshed_at = self.clock
+        for entries in (self.entries, self.ghosts):
+            for entry in entries.values():
+                self.stats[entry.cls].exposure[self._age_bin(entry)] += elapsed
+        pooled = _ClassStats()
+        pooled.hits = [sum(col) for col in zip(*(s.hits for s in self.stats), strict=True)]
+        pooled.exposure = [sum(col) for col in zip(*(s.exposure for s in self.stats), strict=True)]
+        prior = pooled.hazard()
+        for stats in self.stats:
+            stats.recompute(self.horizon_bins, prior)
+            stats.decay(self.decay)
+
+    # -- the policy interface ------------------------------------------------------------------------------
+
+    def insert(self, key: Key, parent: Key | None = None) -> None:
+        if key in self.entries:
+            self.touch(key)
+            return
+        self._advance(parent is None)
+        ghost = self.ghosts.pop(key, None)
+        if ghost is not None:
+            self._record_reuse(ghost)
+            entry = _Entry(REUSED[min(ghost.uses, 3) - 1], self.clock, ghost.uses + 1, parent is None)
+        else:
+            entry = _Entry(self._fresh_class(), self.clock, 1, parent is None)
+            self._stored.append(key)
+        self.entries[key] = entry
+        self.queues[entry.cls][key] = None
+        self._last_insert = key
+
+    def touch(self, key: Key) -> None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return
+        self._advance(entry.root)
+        self._record_reuse(entry)
+        del self.queues[entry.cls][key]
+        entry.cls = REUSED[min(entry.uses, 3) - 1]
+        entry.uses += 1
+        entry.stamp = self.clock
+        self.queues[entry.cls][key] = None
+
+    def remove(self, key: Key) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            del self.queues[entry.cls][key]
+
+    def evict(self, n: int, protected: Container[Key] = ()) -> list[Key]:
+        victims: list[Key] = []
+        while len(victims) < n:
+            best: Key | None = None
+            best_rank: tuple[float, int] = (2.0, 0)
+            for cls, queue in enumerate(self.queues):
+                if not queue:
+                    continue
+                head = pick_unprotected(queue, 1, protected)
+                if head:
+                    stamp = self.entries[head[0]].stamp
+                    age_bin = min((self.clock - stamp) // self.bin_width, NUM_BINS - 1)
+                    rank = (self.stats[cls].values[age_bin], stamp)  # equal values: the older goes
+                    if rank < best_rank:
+                        best, best_rank = head[0], rank
+            if best is None:
+                break
+            victims.append(best)
+            self._to_ghost(best)
+        return victims
+
+    def _to_ghost(self, key: Key) -> None:
+        entry = self.entries.pop(key)
+        del self.queues[entry.cls][key]
+        self.ghosts[key] = entry
+        while len(self.ghosts) > self.ghost_factor * max(self.capacity, 1):
+            self.ghosts.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)

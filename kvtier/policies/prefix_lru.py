@@ -1,0 +1,61 @@
+"""Prefix-aware LRU: tails of a prefix are evicted before their heads.
+
+A chunk is useful only while every chunk before it is held, so a chunk is never worth more than its parent.
+Each key carries a stamp ``(tick, depth)``: a key whose parent is held takes the parent's tick and one more
+than its depth; a root (or a key whose parent is gone) takes a fresh tick. Victims are the smallest ticks,
+deepest first. When a request's chunks are touched in prefix order they all share the head's tick, so the
+tail is older than the head and goes first; a head shared by many requests stays as young as its last use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+from kvtier.keys import Key
+from kvtier.policies.base import EvictionPolicy, LazyHeap
+
+
+class PrefixLRUPolicy(EvictionPolicy):
+    """LRU where a chunk is always older than its parent (deepest first among equals)."""
+
+    name = "prefix_lru"
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__(capacity)
+        self._heap = LazyHeap()
+        self._parent: dict[Key, Key | None] = {}
+        self._clock = 0
+
+    def _stamp(self, key: Key) -> None:
+        parent = self._parent.get(key)
+        prio = self._heap.priority(parent) if parent is not None else None
+        if prio is None:
+            self._clock += 1
+            self._heap.set(key, (self._clock, 0))
+        else:
+            self._heap.set(key, (prio[0], prio[1] - 1))
+
+    def insert(self, key: Key, parent: Key | None = None) -> None:
+        self._parent[key] = parent
+        self._stamp(key)
+
+    def touch(self, key: Key) -> None:
+        if key in self._heap:
+            self._stamp(key)
+
+    def remove(self, key: Key) -> None:
+        if key in self._heap:
+            self._heap.discard(key)
+            del self._parent[key]
+
+    def evict(self, n: int, protected: Container[Key] = ()) -> list[Key]:
+        victims: list[Key] = self._heap.pop(n, protected)  # type: ignore[assignment]
+        for key in victims:
+            del self._parent[key]
+        return victims
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._heap
+
+    def __len__(self) -> int:
+        return len(self._heap)

@@ -1,0 +1,232 @@
+"""Hit-rate replay: semantics on tiny hand-made traces with known answers, workloads, the CLI and its JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench import cli as bench_cli
+from kvtier.bench import hitrate
+from kvtier.bench.hitrate import (
+    DEFAULT_TRACE,
+    SweepSpec,
+    belady_hit_rate,
+    ideal_hit_rate,
+    ideal_stats,
+    parse_capacities,
+    replay_policy,
+    sweep,
+)
+from kvtier.bench.workloads import Request, Workload, agentic, load_mooncake, long_doc_qa, multi_round_qa
+from kvtier.cli import main
+from kvtier.errors import ConfigError
+
+TRACE = DEFAULT_TRACE
+needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"Mooncake trace not found at {TRACE}")
+
+
+def wl(*requests: tuple[tuple[int, ...], int], chunk_tokens: int = 10) -> Workload:
+    return Workload("hand-made", chunk_tokens, tuple(Request(c, n) for c, n in requests))
+
+
+# ---- semantics, known answers ----------------------------------------------------------------------------
+
+
+def test_repeat_hits_whole_prefix_capped_at_input_length() -> None:
+    w = wl(((1, 2), 15), ((1, 2), 15))  # second request: 2 chunks x 10 tokens, capped at its 15 tokens
+    stats = replay_policy(w, "lru", [4])
+    assert stats.hit_tokens == 15 and stats.total_tokens == 30 and stats.hit_rate == 0.5
+    assert stats.request_hit_rate == 0.5 and stats.chunk_hit_rate == 0.5
+    assert ideal_hit_rate(w) == 0.5
+
+
+def test_hit_is_the_longest_prefix_only() -> None:
+    w = wl(((1, 2, 3), 30), ((1, 9, 3), 30))  # chunk 3 is held but follows a miss: no hit
+    assert replay_policy(w, "lru", [10]).hit_tokens == 10
+
+
+def test_lru_known_answers() -> None:
+    w = wl(((1, 2), 20), ((3, 4), 20), ((1, 2), 20))
+    assert replay_policy(w, "lru", [2]).hit_tokens == 0
+    assert replay_policy(w, "lru", [3]).hit_tokens == 0  # 3 evicts 1, 4 evicts 2
+    assert replay_policy(w, "lru", [4]).hit_tokens == 20
+    assert ideal_hit_rate(w) == pytest.approx(20 / 60)
+
+
+def test_prefix_lru_keeps_heads_where_lru_keeps_tails() -> None:
+    w = wl(((1, 2, 3), 30), ((4,), 10), ((1, 2), 20))
+    # LRU: chunk 1 (touched first, so oldest) goes for 4; then the second visit misses at its head.
+    assert replay_policy(w, "lru", [3]).hit_tokens == 0
+    # prefix_lru: the tail 3 goes instead; both chunks of the prefix hit.
+    assert replay_policy(w, "prefix_lru", [3]).hit_tokens == 20
+
+
+def test_belady_and_infinite_known_answers() -> None:
+    w = wl(((1,), 10), ((2,), 10), ((3,), 10), ((1,), 10), ((2,), 10))
+    assert ideal_hit_rate(w) == pytest.approx(2 / 5)
+    assert replay_policy(w, "lru", [2]).hit_tokens == 0
+    # Belady evicts 2 (next used last) for 3, then hits 1.
+    assert belady_hit_rate(w, 2) == pytest.approx(1 / 5)
+    assert belady_hit_rate(w, 3) == pytest.approx(2 / 5)
+
+
+def test_multi_tier_demotes_and_attributes_hits() -> None:
+    w = wl(((1,), 10), ((2,), 10), ((1,), 10), ((1,), 10))
+    stats = replay_policy(w, "lru", [1, 1])
+    # 2 demotes 1 to tier1; request 3 hits it there (and promotes it, demoting 2); request 4 hits tier0.
+    assert stats.tier_tokens == [10, 10]
+    assert stats.tier_rates(["fast", "slow"]) == {"fast": 0.25, "slow": 0.25}
+    assert replay_policy(w, "lru", [1]).hit_tokens == 10  # single tier: only request 4 hits
+
+
+def test_prefix_hd_beats_every_other_policy_on_conversations() -> None:
+    """Three-turn sessions, three in flight; each turn's last chunk (a partial block) is never reused."""
+    reqs = []
+    for t in range(302):
+        for s in (t, t - 1, t - 2):
+            if 0 <= s < 300:
+                base = 1000 * (s + 1)
+                reqs.append(((0, base, base + 1, base + 2, base + 10 + t - s), 50))
+    w = wl(*reqs)
+    rates = {p: replay_policy(w, p, [12]).hit_rate for p in ("lru", "prefix_lru", "arc", "s3fifo", "prefix_hd")}
+    assert rates["prefix_hd"] > 0.9 * ideal_hit_rate(w)
+    assert all(rate < 0.5 * rates["prefix_hd"] for p, rate in rates.items() if p != "prefix_hd"), rates
+
+
+# ---- workloads ------------------------------------------------------------------------------------------
+
+
+def test_generators_are_seeded_and_share_prefixes() -> None:
+    assert multi_round_qa(seed=3) == multi_round_qa(seed=3)
+    assert multi_round_qa(seed=3) != multi_round_qa(seed=4)
+    w = multi_round_qa(users=5, rounds=3, system_tokens=1000, chunk_tokens=256)
+    heads = {r.chunks[:3] for r in w.requests}
+    assert len(heads) == 1  # 1000-token system prompt: 3 full chunks shared by every user
+    assert all(len(r.chunks) == -(-r.input_len // 256) for r in w.requests)
+
+
+def test_long_doc_repeat_modes() -> None:
+    tile = long_doc_qa(documents=3, repeats=2, repeat_mode="tile", doc_tokens=1000)
+    inter = long_doc_qa(documents=3, repeats=2, repeat_mode="interleave", doc_tokens=1000)
+    first = [r.chunks[0] for r in tile.requests]
+    assert first[:3] == first[3:] and len(set(first)) == 3
+    firsts = [r.chunks[0] for r in inter.requests]
+    assert firsts[0] == firsts[1] != firsts[2] == firsts[3]
+    with pytest.raises(ValueError, match="repeat mode"):
+        long_doc_qa(repeat_mode="sideways")
+
+
+def test_agentic_context_grows_by_prefix() -> None:
+    w = agentic(sessions=1, turns=6, seed=1)
+    for a, b in zip(w.requests, w.requests[1:], strict=False):
+        assert len(b.chunks) >= len(a.chunks) and b.input_len > a.input_len
+        assert b.chunks[: len(a.chunks) - 1] == a.chunks[:-1]  # all but a partial last chunk reused
+
+
+def test_load_mooncake_format(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [0, 1]}\n'
+                    '{"timestamp": 5, "input_length": 1100, "output_length": 1, "hash_ids": [0, 1, 2]}\n')
+    w = load_mooncake(path)
+    assert w.chunk_tokens == 512 and w.requests == (Request((0, 1), 600), Request((0, 1, 2), 1100))
+    assert load_mooncake(path, limit=1).requests == (Request((0, 1), 600),)
+    assert ideal_hit_rate(w) == pytest.approx(1024 / 1700)
+    path.write_text('{"timestamp": 0}\n')
+    with pytest.raises(ValueError, match=r"t\.jsonl:1"):
+        load_mooncake(path)
+
+
+def test_parse_capacities() -> None:
+    assert parse_capacities("5,10,20%", 1000) == [50, 100, 200]
+    assert parse_capacities("300", 1000) == [300]
+    assert parse_capacities("1MiB", 1000, chunk_bytes=4096) == [256]
+    with pytest.raises(ValueError, match="model-shape"):
+        parse_capacities("1MiB", 1000)
+
+
+# ---- sweep document and CLI ------------------------------------------------------------------------------
+
+
+def test_sweep_document_fields() -> None:
+    w = multi_round_qa(users=10, rounds=3)
+    doc = sweep(w, SweepSpec(("lru", "prefix_hd"), (50, 100), ((20, 40),)))
+    assert {"workload", "chunk_tokens", "requests", "ideal_hit_rate", "results"} <= doc.keys()
+    assert doc["requests"] == len(w.requests) and len(doc["results"]) == 6
+    for r in doc["results"]:
+        assert {"policy", "capacity_chunks", "hit_rate", "request_hit_rate", "chunk_hit_rate", "belady_hit_rate",
+                "tiers"} <= r.keys()
+        assert 0 <= r["hit_rate"] <= doc["ideal_hit_rate"] + 1e-12
+        assert sum(r["tiers"].values()) == pytest.approx(r["hit_rate"])
+    assert doc["results"][-1]["capacity_chunks"] == 60 and set(doc["results"][-1]["tiers"]) == {"tier0", "tier1"}
+
+
+def test_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "hr.json", tmp_path / "hr.png"
+    rc = main(["bench", "hit-rate", "--workload", "long-doc", "--workload-arg", "repeat_mode=tile",
+               "--workload-arg", "documents=8", "--sweep", "20,50%", "--policies", "lru,prefix_hd",
+               "--json", str(out), "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["workload"].startswith("long-doc(documents=8") and len(doc["results"]) == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "prefix_hd" in capsys.readouterr().out
+
+
+def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "hit-rate", "--workload", "agentic", "--workload-arg", "nope=1"]) == 2
+    assert "--workload-arg" in capsys.readouterr().err
+    assert main(["bench", "hit-rate", "--workload", "agentic", "--policies", "lru,fifo"]) == 2
+    assert "fifo" in capsys.readouterr().err
+    assert main(["bench", "hit-rate", "--trace", "/nonexistent.jsonl"]) == 2
+    assert "no trace file" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    hitrate.add_arguments(parser)
+    args = parser.parse_args(["--workload", "agentic", "--capacity", "lots"])
+    with pytest.raises(ConfigError, match="--capacity"):
+        hitrate.spec_from(args, hitrate.load_workload(args))
+
+
+@needs_trace
+def test_cli_smoke_on_mooncake(tmp_path: Path) -> None:
+    out = tmp_path / "mc.json"
+    rc = main(["bench", "hit-rate", "--trace", str(TRACE), "--limit", "300", "--sweep", "10%",
+               "--tiers", "5%,10%", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["requests"] == 300 and doc["chunk_tokens"] == 512
+    assert [(r["policy"], len(r["tier_capacities"])) for r in doc["results"]][-1] == ("prefix_hd", 2)
+    for r in doc["results"]:
+        assert 0 < r["hit_rate"] <= doc["ideal_hit_rate"] and r["request_hit_rate"] > 0.9
+        assert r["belady_hit_rate"] <= doc["ideal_hit_rate"]
+        if r["policy"] == "lru":
+            assert r["belady_hit_rate"] >= r["hit_rate"]
+
+
+@needs_trace
+@pytest.mark.slow
+def test_mooncake_reference_numbers() -> None:
+    """The independent replay's figures (trace README): infinite 37.4%, LRU 28.4%, ARC 29.0%, Belady 37.4%."""
+    w = load_mooncake(TRACE)
+    cap = round(0.10 * w.unique_chunks())
+    assert ideal_hit_rate(w) == pytest.approx(0.374, abs=0.001)
+    assert replay_policy(w, "lru", [cap]).hit_rate == pytest.approx(0.284, abs=0.001)
+    assert replay_policy(w, "arc", [cap]).hit_rate == pytest.approx(0.290, abs=0.005)
+    assert belady_hit_rate(w, cap) == pytest.approx(0.374, abs=0.001)
+    # per block (chunk): infinite 36.6%, LRU at 5 / 10 / 20 / 40% 19.5 / 27.8 / 34.5 / 36.0%
+    assert ideal_stats(w).chunk_hit_rate == pytest.approx(0.366, abs=0.001)
+    for pct, ref in ((5, 0.195), (10, 0.278), (20, 0.345), (40, 0.360)):
+        stats = replay_policy(w, "lru", [round(pct / 100 * w.unique_chunks())])
+        assert stats.chunk_hit_rate == pytest.approx(ref, abs=0.001), pct
+
+
+def test_bench_registry_and_missing_benchmark(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert set(bench_cli.BENCHMARKS) == {"hit-rate", "throughput", "ttft", "overhead"}
+    monkeypatch.setitem(bench_cli.BENCHMARKS, "ttft", ("kvtier.bench.not_written_yet", "later"))
+    assert main(["bench", "ttft"]) == 2
+    assert "benchmark 'ttft' is not available" in capsys.readouterr().err
+    assert main(["bench", "hit-rate", "--workload", "agentic", "--capacity", "50%", "--policies", "lru",
+                 "--no-progress"]) == 0  # the others keep working

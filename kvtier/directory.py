@@ -55,6 +55,7 @@ class _Entry:
     size: int
     state: ChunkState
     pins: int = 0
+    parent: Key | None = None  # kept so a demoted chunk keeps its prefix structure in the next tier
 
 
 @dataclass
@@ -176,26 +177,26 @@ class Directory:
         if index.slot.shared:
             return self._group_plans(tier, [(k, src) for k, _, _, src in entries], [])
         stored: list[tuple[Key, str | None]] = []
-        evicted: list[tuple[Key, int]] = []
+        evicted: list[tuple[Key, int, Key | None]] = []
         for key, size, parent, source in entries:
             if key in index.entries:
                 continue
             if size > index.slot.capacity_bytes or not self._make_room(index, size, evicted):
                 self.stats.refused += 1
                 continue
-            index.entries[key] = _Entry(size, ChunkState.PENDING)
+            index.entries[key] = _Entry(size, ChunkState.PENDING, parent=parent)
             index.protected.add(key)
             index.used += size
             index.slot.policy.insert(key, parent)
             stored.append((key, source))
         plans: list[StorePlan] = []
-        evicted_keys = [k for k, _ in evicted]
+        evicted_keys = [k for k, _, _ in evicted]
         if chain and evicted:
             self.stats.demotions += len(evicted)
-            plans = self._prepare(chain[0], [(k, s, None, tier) for k, s in evicted], chain[1:])
+            plans = self._prepare(chain[0], [(k, s, p, tier) for k, s, p in evicted], chain[1:])
         return plans + self._group_plans(tier, stored, evicted_keys)
 
-    def _make_room(self, index: _TierIndex, size: int, evicted: list[tuple[Key, int]]) -> bool:
+    def _make_room(self, index: _TierIndex, size: int, evicted: list[tuple[Key, int, Key | None]]) -> bool:
         capacity = index.slot.capacity_bytes
         if index.used + size <= capacity:
             return True
@@ -207,7 +208,7 @@ class Directory:
             victim = victims[0]
             entry = index.entries.pop(victim)
             index.used -= entry.size
-            evicted.append((victim, entry.size))
+            evicted.append((victim, entry.size, entry.parent))
             self.stats.evictions += 1
         return True
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.directory import Directory, StorePlan, TierSlot
-from kvtier.policy import make_policy
+from kvtier.policy import LRUPolicy, make_policy
 
 
 def k(i: int) -> bytes:
@@ -153,3 +153,26 @@ def test_thread_safety_of_concurrent_stores() -> None:
     for t in threads:
         t.join()
     assert d.used_bytes("t0") == 8000 and len(d) == 800
+
+
+class RecordingLRU(LRUPolicy):
+    """LRU that remembers the parent each key was inserted with."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__(capacity)
+        self.parents: dict[bytes, bytes | None] = {}
+
+    def insert(self, key: bytes, parent: bytes | None = None) -> None:
+        self.parents[key] = parent
+        super().insert(key, parent)
+
+
+def test_demotion_keeps_the_parent_for_prefix_aware_policies() -> None:
+    lower = RecordingLRU()
+    d = Directory([TierSlot("t0", 20, make_policy("lru")), TierSlot("t1", 100, lower)])
+    entries = [(k(1), 10, None), (k(2), 10, k(1))]
+    for p in d.prepare_store("t0", entries, ("t1",)):
+        d.complete_store(p.tier, p.store, True)
+    for p in d.prepare_store("t0", [(k(3), 10, k(2)), (k(4), 10, k(3))], ("t1",)):
+        d.complete_store(p.tier, p.store, True)
+    assert lower.parents == {k(1): None, k(2): k(1)}

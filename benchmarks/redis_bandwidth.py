@@ -1,0 +1,271 @@
+"""Put / get bandwidth of the Redis tier beside raw redis-py and redis-benchmark, on one server, in one run.
+
+Starts its own ``redis-server`` on a free loopback port, then for 1, 4 and 32 MiB records measures, interleaved
+(the order of the clients rotates every round) and ``--reps`` times (medians reported):
+
+* ``kvtier``: ``RedisTier.put`` / ``RedisTier.get`` of a batch of records (payload bytes counted);
+* ``redis-py``: one pipelined SET / GET of the same batch with redis-py (hiredis parser when installed);
+* ``redis-benchmark``: the C client, ``-t set,get -d SIZE -P 2 -c CONNECTIONS``, its own request rate.
+
+Every buffer is touched before it is timed (on this VM freed memory goes back to the host after ~2 s and
+touching it again runs at ~0.5 GB/s). Prints a table and writes ``benchmarks/results/redis_bandwidth.json``
+and ``.png``. ``--quick`` (CI) runs in well under a minute.
+
+    .venv/bin/python benchmarks/redis_bandwidth.py [--quick] [--reps 3] [--mib 256] [--connections 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.config import RedisTierConfig
+from kvtier.tiers.redis import RedisTier
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+RESULTS = ROOT / "benchmarks" / "results"
+CLIENTS = ["kvtier", "redis-py", "redis-benchmark"]
+# LMCache's connectors measured on this kind of machine (issue 6), GB/s at 1 / 4 / 32 MiB: for orientation only.
+REFERENCE = {
+    "lmcache_resp_cpp": {"put": [2.27, 2.23, 2.24], "get": [4.27, 3.84, 1.68]},
+    "lmcache_redis_default": {"put": [1.65, 1.95, 1.33], "get": [1.85, 1.63, 1.13]},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of this benchmark (also used by a ``kvtier bench`` wrapper)."""
+    parser.add_argument("--quick", action="store_true", help="small batches, CI-sized (< 60 s)")
+    parser.add_argument("--reps", type=int, default=3, help="rounds per client (medians reported)")
+    parser.add_argument("--mib", type=int, default=256, help="MiB moved per batch and size")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 32], help="record sizes in MiB")
+    parser.add_argument("--connections", type=int, default=4, help="parallel connections (kvtier, redis-benchmark)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "redis_bandwidth.json")
+    parser.add_argument("--no-plot", action="store_true")
+
+
+def _touched(nbytes: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+
+
+class Meter:
+    """Wall time plus CPU seconds of this process, its children (redis-benchmark) and the server."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+
+    def _now(self) -> tuple[float, float, float]:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        with open(f"/proc/{self.server_pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        server = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return time.perf_counter(), me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime, server
+
+    def __enter__(self) -> Meter:
+        self.start = self._now()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = self._now()
+
+    def sample(self, nbytes: int, gbps: float | None = None) -> dict[str, float]:
+        """GB/s (wall, unless the client reported its own) and CPU seconds per GB of client and server."""
+        wall, client, server = (b - a for a, b in zip(self.start, self.end, strict=True))
+        gb = nbytes / 1e9
+        return {"gbps": gbps if gbps is not None else gb / wall, "client_cpu_s_per_gb": client / gb,
+                "server_cpu_s_per_gb": server / gb}
+
+
+Sample = dict[str, float]
+
+
+async def _kvtier_round(tier: RedisTier, items: list[tuple[bytes, torch.Tensor]], pid: int) -> dict[str, Sample]:
+    payload = sum(t.nbytes for _, t in items)
+    with Meter(pid) as put:
+        ok = await tier.put(items)
+    with Meter(pid) as get:
+        got = await tier.get([k for k, _ in items])
+    if not all(ok) or any(g is None for g in got):
+        raise RuntimeError(f"kvtier round lost records: {tier.stats()}")
+    del got  # the buffers go back to the tier's pool, as in an engine that consumes what it reads
+    return {"put": put.sample(payload), "get": get.sample(payload)}
+
+
+def _redispy_round(client: Any, names: list[bytes], values: list[bytes], pid: int) -> dict[str, Sample]:
+    payload = sum(len(v) for v in values)
+    with Meter(pid) as put:
+        pipe = client.pipeline(transaction=False)
+        for name, value in zip(names, values, strict=True):
+            pipe.set(name, value)
+        pipe.execute()
+    with Meter(pid) as get:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        got = pipe.execute()
+    if any(g is None for g in got):
+        raise RuntimeError("redis-py round lost records")
+    return {"put": put.sample(payload), "get": get.sample(payload)}
+
+
+def _redis_benchmark_round(port: int, size: int, n: int, connections: int, pid: int) -> dict[str, Sample]:
+    exe = shutil.which("redis-benchmark") or "redis-benchmark"
+    out: dict[str, Sample] = {}
+    for op, test in (("put", "set"), ("get", "get")):
+        cmd = [exe, "-h", "127.0.0.1", "-p", str(port), "-t", test, "-d", str(size), "-n", str(n), "-P", "2",
+               "-c", str(connections), "-r", str(n), "--csv"]
+        with Meter(pid) as meter:
+            csv = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        rps = float(csv.splitlines()[1].split(",")[1].strip('"'))
+        out[op] = meter.sample(n * size, gbps=rps * size / 1e9)
+    return out
+
+
+async def _measure_size(srv: Any, tier: RedisTier, client: Any, size: int, args: argparse.Namespace,
+                        ) -> dict[str, dict[str, list[Sample]]]:
+    n = max(4 if args.quick else 8, args.mib * MIB // size)
+    tensors = [_touched(size, i) for i in range(n)]
+    items = [(bytes([0xAB]) * 16 + i.to_bytes(16, "big"), t) for i, t in enumerate(tensors)]
+    names = [b"rp:%d:%d" % (size, i) for i in range(n)]
+    values = [t.numpy().tobytes() for t in tensors]
+    pid = srv.proc.pid
+    runs: dict[str, dict[str, list[Sample]]] = {c: {"put": [], "get": []} for c in CLIENTS}
+    await _kvtier_round(tier, items, pid)  # warm-up: connections, buffer pool, server memory
+    _redispy_round(client, names, values, pid)
+    for rep in range(args.reps):
+        for name in CLIENTS[rep % 3:] + CLIENTS[:rep % 3]:  # interleaved, in a rotating order
+            if name == "kvtier":
+                out = await _kvtier_round(tier, items, pid)
+            elif name == "redis-py":
+                out = _redispy_round(client, names, values, pid)
+            else:
+                out = _redis_benchmark_round(srv.port, size, n, args.connections, pid)
+            for op in ("put", "get"):
+                runs[name][op].append(out[op])
+    srv.cli("FLUSHALL")
+    return runs
+
+
+def _medians(runs: dict[str, dict[str, list[Sample]]]) -> dict[str, dict[str, Sample]]:
+    """Per client and op: the median of each figure, plus the bandwidth the CPU cost allows when client and
+    server each have a core of their own (1 / the larger of the two CPU costs): a figure that a busy shared
+    machine does not distort."""
+    out: dict[str, dict[str, Sample]] = {}
+    for client, ops in runs.items():
+        out[client] = {}
+        for op, samples in ops.items():
+            med = {f: round(statistics.median(s[f] for s in samples), 3) for f in samples[0]}
+            med["cpu_bound_gbps"] = round(1 / max(med["client_cpu_s_per_gb"], med["server_cpu_s_per_gb"], 1e-3), 2)
+            out[client][op] = med
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; return (and save) the results."""
+    import redis
+    from redis.utils import HIREDIS_AVAILABLE
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from redis_servers import RedisServer  # the test suite's launcher: free port, no persistence, killed at exit
+
+    if args.quick:
+        args.mib, args.reps = min(args.mib, 32), max(args.reps, 3)
+    maxmem = f"{max(1024, 4 * args.mib + 3 * max(args.sizes) * 16)}mb"
+    results: dict[str, Any] = {"sizes_mib": args.sizes, "median": {}, "runs": {}}
+    with RedisServer(maxmemory=maxmem) as srv:
+        section = RedisTierConfig(name="redis", capacity=1 << 40, url=srv.url, timeout=5.0,
+                                  connections=args.connections)
+        tier = RedisTier(section)
+        await tier.start()
+        client = redis.Redis(host="127.0.0.1", port=srv.port)
+        try:
+            for size in args.sizes:
+                runs = await _measure_size(srv, tier, client, size * MIB, args)
+                results["runs"][str(size)] = runs
+                results["median"][str(size)] = _medians(runs)
+        finally:
+            client.close()
+            await tier.close()
+    results["meta"] = {"reps": args.reps, "mib_per_batch": args.mib, "connections": args.connections,
+                       "hiredis": HIREDIS_AVAILABLE, "redis_server": _server_version(),
+                       "python": platform.python_version(),
+                       "machine": f"{platform.machine()}, {_cpus()} CPUs", "load_average_at_end": os.getloadavg(),
+                       "reference_gbps_1_4_32mib": REFERENCE}
+    _print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if not args.no_plot:
+        _plot(results, args.out.with_suffix(".png"))
+    return results
+
+
+def _server_version() -> str:
+    exe = shutil.which("redis-server") or "redis-server"
+    return subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split()[2]
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _print_table(results: dict[str, Any]) -> None:
+    print("GB/s: measured median | CPU s/GB client+server | GB/s the CPU cost allows with a core each")
+    print(f"{'size':>6} {'client':<16} {'put':>6} {'get':>6} | {'put cpu':>11} {'get cpu':>11} | "
+          f"{'put':>6} {'get':>6}")
+    for size, clients in results["median"].items():
+        for client, ops in clients.items():
+            p, g = ops["put"], ops["get"]
+            print(f"{size + ' MiB':>6} {client:<16} {p['gbps']:>6.2f} {g['gbps']:>6.2f} | "
+                  f"{p['client_cpu_s_per_gb']:>5.2f}+{p['server_cpu_s_per_gb']:<5.2f} "
+                  f"{g['client_cpu_s_per_gb']:>5.2f}+{g['server_cpu_s_per_gb']:<5.2f} | "
+                  f"{p['cpu_bound_gbps']:>6.2f} {g['cpu_bound_gbps']:>6.2f}")
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results["median"])
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharey=True)
+    width = 0.8 / len(CLIENTS)
+    centres = [i + 0.4 - width / 2 for i in range(len(sizes))]
+    for row, (figure, label) in enumerate((("gbps", "measured"), ("cpu_bound_gbps", "CPU-bound, a core each"))):
+        for ax, op in zip(axes[row], ("put", "get"), strict=True):
+            for j, client in enumerate(CLIENTS):
+                vals = [results["median"][s][client][op][figure] for s in sizes]
+                ax.bar([i + j * width for i in range(len(sizes))], vals, width, label=client)
+            ref = REFERENCE["lmcache_resp_cpp"][op][:len(sizes)]
+            ax.plot(centres[:len(ref)], ref, "k_", markersize=30, label="LMCache resp:// C++ (issue 6)")
+            ax.set_xticks(centres, [f"{s} MiB" for s in sizes])
+            ax.set_title(f"{op}, {label} (median of {results['meta']['reps']})")
+            ax.set_ylabel("GB/s")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    asyncio.run(run(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,384 @@
+"""The Redis tier: one key per record, shared by every engine and host that points at the same Redis.
+
+Lifecycle: ``RedisTier(section)`` -> ``await start()`` (connects, checks credentials: a wrong password raises
+``TierUnavailable`` naming the tier; an unreachable server only logs, its calls are misses until it answers)
+-> ``contains`` / ``get`` / ``put`` / ``delete`` -> ``await close()``.
+
+Keys are ``{key_prefix}:{namespace digest hex}:{chunk hash hex}``; values are ``kvtier.codec`` records. A record
+of 4 MiB or more is stored in parts of 2-4 MiB, the head under that key and part k under ``{<key>}:k`` (same
+cluster slot), because Redis's allocator makes values above 8 MiB cost about three times more server CPU
+(``redis_bulk`` has the details). Small commands (EXISTS, DEL, PING) and cluster routing use redis-py. Record
+values move over kvtier's own RESP connections (``redis_resp``): read straight into the result tensor (buffers
+recycled by ``redis_buffers``), written with scatter-gather, spread over ``connections`` sockets per server (per
+cluster node). With ``rediss://`` everything goes through redis-py (``redis_plain``), in the same layout.
+
+Failures never reach the caller: a timeout, a connection error or a server error is a miss (``False`` /
+``None``), counted in ``stats()`` (``errors``, ``timeouts``, ``extra``: breaker state / opens / rejected calls,
+server error replies). ``timeout`` bounds a whole EXISTS / DEL round and, for record transfers (which may move
+gigabytes), every wait for the server without progress. A circuit breaker stops calling a server after
+``breaker_failures`` consecutive failures: calls then miss at once, and one probe goes through after
+``breaker_backoff`` seconds (doubling up to 30 s while the probes fail). Connections are re-opened as needed.
+Corrupt or foreign values (another key, another namespace, a bad checksum or signature) are misses, deleted and
+counted in ``stats().corrupt``.
+
+Capacity: kvtier does not own Redis memory. ``used_bytes`` is what this process wrote and did not delete
+(TTL expiry and other writers are invisible to it). Bound the server instead::
+
+    maxmemory 64gb
+    maxmemory-policy allkeys-lru   # evict least recently used records when full; never refuse writes
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from redis.exceptions import RedisError
+
+from kvtier import codec
+from kvtier.config import RedisTierConfig
+from kvtier.errors import TierUnavailable
+from kvtier.keys import Key
+from kvtier.layout import dtype_name
+from kvtier.tiers import redis_plain
+from kvtier.tiers.base import Tier, TierStats, Timer
+from kvtier.tiers.redis_breaker import CircuitBreaker
+from kvtier.tiers.redis_buffers import BufferPool
+from kvtier.tiers.redis_bulk import GetResult, get_records, record_commands, set_records
+from kvtier.tiers.redis_conf import RedisEndpoint, parse_endpoint
+from kvtier.tiers.redis_resp import RespError, RespPool
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Addr = tuple[str, int]
+
+
+class RedisTier(Tier):
+    """Redis standalone or Redis Cluster. See the module docstring."""
+
+    is_shared = True
+
+    def __init__(self, section: RedisTierConfig, hmac_key: bytes | None = None, *,
+                 env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 buffer_pool_bytes: int = 512 << 20) -> None:
+        super().__init__(section.name, section.capacity)
+        self.section = section
+        self.endpoint: RedisEndpoint = parse_endpoint(section, os.environ if env is None else env)
+        self._hmac_key = hmac_key
+        self.breaker = CircuitBreaker(section.breaker_failures, section.breaker_backoff,
+                                      max_backoff=max(30.0, section.breaker_backoff), clock=clock)
+        self._client: Any = None  # redis.asyncio.Redis or RedisCluster
+        self._pools: dict[Addr, RespPool] = {}
+        self._sizes: dict[Key, int] = {}
+        self._used = 0
+        self._px = int(section.ttl * 1000) if section.ttl else None
+        self._max_raw = codec.DEFAULT_MAX_RAW  # not the capacity: a small reader must not reject big records
+        self.buffers = BufferPool(buffer_pool_bytes)
+        self._fast = not self.endpoint.tls  # raw sockets cannot speak TLS; rediss:// uses redis-py only
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and check the credentials. Raises ``TierUnavailable`` on authentication failure only."""
+        from redis.exceptions import AuthenticationError, RedisError, ResponseError
+
+        self._client = self._make_client()
+        try:
+            async with asyncio.timeout(self.section.connect_timeout + self.section.timeout):
+                if self.endpoint.cluster:
+                    await self._client.initialize()
+                await self._client.ping()
+        except (AuthenticationError, ResponseError) as exc:
+            text = str(exc)
+            if not (isinstance(exc, AuthenticationError) or "NOAUTH" in text or "WRONGPASS" in text):
+                log.warning("redis tier %r: %s answered %s at start", self.name, self.endpoint.url, text)
+                return
+            await self.close()
+            raise TierUnavailable(f"redis tier {self.name!r} at {self.endpoint.url}: authentication failed "
+                                  f"({text}); check the URL's user/password or ${self.section.password_env}") from None
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("redis tier %r: %s not reachable at start (%s); its calls are misses until it answers",
+                        self.name, self.endpoint.url, type(exc).__name__)
+            self.breaker.failure()
+
+    def _make_client(self) -> Any:
+        from redis.asyncio import Redis
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        kw = self.endpoint.redis_kwargs(self.section)
+        kw["retry"] = Retry(NoBackoff(), 0)  # the breaker, not redis-py, decides when to try again
+        if self.endpoint.cluster:
+            nodes = [ClusterNode(h, p) for h, p in self.endpoint.hosts]
+            return RedisCluster(startup_nodes=nodes, max_connections=self.section.pool_size,
+                                require_full_coverage=False, **kw)
+        host, port = self.endpoint.hosts[0]
+        return Redis(host=host, port=port, db=self.endpoint.db, max_connections=self.section.pool_size, **kw)
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+        if self._client is not None:
+            client, self._client = self._client, None
+            try:
+                await client.aclose()
+            except Exception as exc:  # closing a broken connection must not fail shutdown
+                log.debug("redis tier %r: close: %r", self.name, exc)
+
+    # -- contract ----------------------------------------------------------------------------------------------
+
+    def redis_key(self, key: Key) -> bytes:
+        """The Redis key of a record: ``{prefix}:{namespace digest hex}:{chunk hash hex}``."""
+        return f"{self.section.key_prefix}:{key[:16].hex()}:{key[16:].hex()}".encode()
+
+    async def contains(self, keys: Sequence[Key]) -> list[bool]:
+        self._stats.lookups += len(keys)
+        if not keys:
+            return []
+        found = await self._guarded(lambda: self._small(redis_plain.exists(self._client, self._names(keys))), None)
+        out = found if found is not None else [False] * len(keys)
+        self._stats.hits += sum(out)
+        return out
+
+    async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        self._stats.gets += len(keys)
+        if not keys:
+            return []
+        with Timer(self._stats, "get_seconds"):
+            result = await self._guarded(lambda: self._get(keys), None)
+        if result is None:
+            return [None] * len(keys)
+        corrupt = sorted(set(result.corrupt))
+        if corrupt:
+            self._stats.corrupt += len(corrupt)
+            log.warning("redis tier %r: %d corrupt or foreign record(s) deleted", self.name, len(corrupt))
+            await self.delete([keys[i] for i in corrupt])
+        await self._server_errors(result.errors)
+        hits = [v for v in result.values if v is not None]
+        self._stats.get_hits += len(hits)
+        self._stats.bytes_out += sum(v.nbytes for v in hits)
+        return result.values
+
+    async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        ok = [False] * len(items)
+        todo: list[tuple[int, Key, list[Any], int, int]] = []
+        for i, (key, tensor) in enumerate(items):
+            parts, size = self._encode(key, tensor)
+            previous = self._sizes.get(key, 0)
+            if parts is None or not self._reserve(key, size):
+                self._stats.puts_refused += 1
+                continue
+            todo.append((i, key, parts, size, previous))
+        if not todo:
+            return ok
+        with Timer(self._stats, "put_seconds"):
+            stored = await self._guarded(lambda: self._put([(self.redis_key(t[1]), t[2]) for t in todo]), None)
+        for j, (i, key, _, size, previous) in enumerate(todo):
+            ok[i] = bool(stored and stored[j])
+            self._commit(key, size, previous, ok[i])
+        return ok
+
+    async def delete(self, keys: Sequence[Key]) -> int:
+        if not keys:
+            return 0
+        totals = [self._sizes.pop(key, None) for key in keys]
+        self._used -= sum(t for t in totals if t)
+        removed = await self._guarded(
+            lambda: self._small(redis_plain.delete_records(self._client, self._names(keys), totals)), None)
+        n = sum(removed) if removed is not None else 0
+        self._stats.deletes += n
+        return n
+
+    def used_bytes(self) -> int:
+        return self._used
+
+    def stored_size(self, nbytes: int) -> int:
+        return codec.HEADER_SIZE + (codec.MAC_BYTES if self._hmac_key else 0) + nbytes
+
+    def stats(self) -> TierStats:
+        b = self.breaker
+        self._stats.extra.update(breaker_state=float(b.state), breaker_opens=float(b.opens),
+                                 breaker_rejected=float(b.rejected))
+        return self._stats
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            self._stats.extra[name] = self._stats.extra.get(name, 0.0) + n
+
+    async def _guarded(self, op: Callable[[], Awaitable[T]], fallback: T) -> T:
+        """Run ``op`` through the breaker; any failure is counted and becomes ``fallback``."""
+        if self._client is None or not self.breaker.allow():
+            return fallback
+        try:
+            result = await op()
+        except TimeoutError:
+            self._stats.timeouts += 1
+            self.breaker.failure()
+            log.debug("redis tier %r: timeout", self.name)
+            return fallback
+        except (OSError, RedisError, RespError) as exc:  # connection and server errors
+            self._stats.errors += 1
+            self.breaker.failure()
+            log.debug("redis tier %r: %s: %s", self.name, type(exc).__name__, exc)
+            return fallback
+        except Exception:  # a bug, not an outage: still a miss, never the engine's problem, but say so
+            self._stats.errors += 1
+            self.breaker.failure()
+            log.warning("redis tier %r: unexpected error", self.name, exc_info=True)
+            return fallback
+        except BaseException:  # cancelled: do not leave a half-open probe pending forever
+            self.breaker.failure()
+            raise
+        self.breaker.success()
+        return result
+
+    def _names(self, keys: Sequence[Key]) -> list[bytes]:
+        return [self.redis_key(k) for k in keys]
+
+    async def _small(self, op: Awaitable[T]) -> T:
+        """A round of small commands, bounded by ``timeout`` as a whole."""
+        async with asyncio.timeout(self.section.timeout):
+            return await op
+
+    def _encode(self, key: Key, tensor: torch.Tensor) -> tuple[list[Any] | None, int]:
+        try:
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            parts = codec.encode(key, flat.numpy(), dtype_name(tensor.dtype), tuple(tensor.shape),
+                                 compression=self.section.compression, hmac_key=self._hmac_key)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            log.warning("redis tier %r: cannot store a %s tensor: %s", self.name, tensor.dtype, exc)
+            return None, 0
+        return parts, sum(memoryview(p).nbytes for p in parts)
+
+    def _reserve(self, key: Key, size: int) -> bool:
+        """Count ``size`` bytes against the capacity before writing; ``_commit`` settles it."""
+        new_used = self._used - self._sizes.get(key, 0) + size
+        if new_used > self.capacity_bytes:
+            return False
+        self._used = new_used
+        self._sizes[key] = size
+        return True
+
+    def _commit(self, key: Key, size: int, previous: int, ok: bool) -> None:
+        """Settle a reservation: count a stored record, or give the bytes back (keeping what was there)."""
+        if ok:
+            self._stats.puts += 1
+            self._stats.bytes_in += size
+        elif self._sizes.get(key) == size:
+            self._used += previous - self._sizes.pop(key)
+            if previous:
+                self._sizes[key] = previous
+
+    # -- data path ---------------------------------------------------------------------------------------------
+
+    async def _get(self, keys: Sequence[Key]) -> GetResult:
+        names = [self.redis_key(k) for k in keys]
+        if not self._fast:
+            async with asyncio.timeout(self.section.timeout * (2 + len(names))):
+                return await redis_plain.get_records(self._client, names, keys, max_raw=self._max_raw,
+                                                     hmac_key=self._hmac_key)
+        shards = await self._shards(names)
+        outs = await asyncio.gather(*(self._get_shard(addr, idx, names, keys) for addr, idx in shards),
+                                    return_exceptions=True)
+        result = GetResult(values=[None] * len(keys))
+        for idx, out in self._succeeded(shards, outs):
+            for j, value in enumerate(out.values):
+                result.values[idx[j]] = value
+            result.corrupt += [idx[j] for j in out.corrupt]
+            result.errors += out.errors
+        return result
+
+    async def _get_shard(self, addr: Addr, idx: list[int], names: list[bytes], keys: Sequence[Key]) -> GetResult:
+        async with self._pool(addr).connection() as conn:
+            return await get_records(conn, [names[i] for i in idx], [keys[i] for i in idx],
+                                     max_raw=self._max_raw, hmac_key=self._hmac_key, alloc=self.buffers.take)
+
+    async def _put(self, items: list[tuple[bytes, list[Any]]]) -> list[bool]:
+        if not self._fast:
+            async with asyncio.timeout(self.section.timeout * (1 + len(items))):
+                replies = await redis_plain.put_records(self._client, items, self._px)
+            await self._server_errors([r for r in replies if r is not None])
+            return [r is None for r in replies]
+        shards = await self._shards([name for name, _ in items])
+        outs = await asyncio.gather(*(self._put_shard(addr, [items[i] for i in idx]) for addr, idx in shards),
+                                    return_exceptions=True)
+        ok = [False] * len(items)
+        errors: list[str] = []
+        for idx, out in self._succeeded(shards, outs):
+            for j, flag in enumerate(out):
+                ok[idx[j]] = flag is None
+                errors += [flag] if flag is not None else []
+        await self._server_errors(errors)
+        return ok
+
+    def _succeeded(self, shards: list[tuple[Addr, list[int]]], outs: Sequence[T | BaseException],
+                   ) -> list[tuple[list[int], T]]:
+        """The shards that worked. When only some failed (one cluster node down), the others' results stand
+        and the failures are counted here; when all failed, the first failure is raised for the breaker."""
+        failed = [out for out in outs if isinstance(out, BaseException)]
+        bugs = [exc for exc in failed if not isinstance(exc, OSError | RespError | TimeoutError)]
+        if bugs or (failed and len(failed) == len(outs)):
+            raise (bugs or failed)[0]
+        for exc in failed:
+            if isinstance(exc, TimeoutError):
+                self._stats.timeouts += 1
+            else:
+                self._stats.errors += 1
+            log.debug("redis tier %r: one shard failed: %r", self.name, exc)
+        return [(idx, out) for (_, idx), out in zip(shards, outs, strict=True) if not isinstance(out, BaseException)]
+
+    async def _server_errors(self, errors: list[str]) -> None:
+        """Count error replies; a MOVED / ASK means the cluster's slots moved: reload the slot map."""
+        if not errors:
+            return
+        self._count("server_errors", len(errors))
+        log.debug("redis tier %r: %d error replies, first: %s", self.name, len(errors), errors[0])
+        if self.endpoint.cluster and any(e.startswith(("MOVED", "ASK")) for e in errors):
+            self._count("slot_refreshes")
+            try:
+                async with asyncio.timeout(self.section.connect_timeout):
+                    await self._client.nodes_manager.initialize()
+            except Exception as exc:  # the next call will find out again
+                log.debug("redis tier %r: slot map reload failed: %r", self.name, exc)
+
+    async def _put_shard(self, addr: Addr, items: list[tuple[bytes, list[Any]]]) -> list[str | None]:
+        async with self._pool(addr).connection() as conn:
+            return await set_records(conn, [record_commands(name, parts, self._px) for name, parts in items])
+
+    async def _shards(self, names: Sequence[bytes]) -> list[tuple[Addr, list[int]]]:
+        """Split a batch per server (cluster node), then over up to ``connections`` sockets each."""
+        groups: dict[Addr, list[int]] = {}
+        if self.endpoint.cluster:
+            await self._client.initialize()  # no-op once the slot map is known
+            for i, name in enumerate(names):
+                node = self._client.get_node_from_key(name)
+                groups.setdefault((node.host, node.port), []).append(i)
+        else:
+            groups[self.endpoint.hosts[0]] = list(range(len(names)))
+        out: list[tuple[Addr, list[int]]] = []
+        for addr, idx in groups.items():
+            k = max(1, min(self.section.connections, len(idx)))
+            out += [(addr, idx[j::k]) for j in range(k)]
+        return out
+
+    def _pool(self, addr: Addr) -> RespPool:
+        pool = self._pools.get(addr)
+        if pool is None:
+            ep = self.endpoint
+            pool = self._pools[addr] = RespPool(addr[0], addr[1], self.section.connections,
+                                                timeout=self.section.timeout,
+                                                connect_timeout=self.section.connect_timeout,
+                                                username=ep.username, password=ep.password, db=ep.db)
+        return pool
+
+
+__all__ = ["RedisTier"]

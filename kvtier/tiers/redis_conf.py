@@ -1,0 +1,90 @@
+"""Where and how the Redis tier connects: URL parsing, credentials, TLS options, URL redaction.
+
+URLs: ``redis://[user[:password]@]host:port[/db]``, ``rediss://`` (TLS), and for a cluster
+``redis+cluster://host:port,host:port`` (or ``rediss+cluster://``, or ``cluster: true`` in the section).
+A password in the URL wins; otherwise it is read from the environment variable named by ``password_env``
+(``KVTIER_REDIS_PASSWORD``), so it never has to be in the YAML. Passwords never appear in logs or errors:
+``redact`` replaces them with ``***``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from kvtier.config import RedisTierConfig
+from kvtier.errors import ConfigError
+
+_SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True),
+            "rediss+cluster": (True, True)}
+
+
+@dataclass(frozen=True)
+class RedisEndpoint:
+    """Resolved connection settings of one Redis tier."""
+
+    hosts: tuple[tuple[str, int], ...]
+    db: int = 0
+    tls: bool = False
+    cluster: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    url: str = ""  # redacted
+
+    def redis_kwargs(self, section: RedisTierConfig) -> dict[str, Any]:
+        """Keyword arguments shared by ``redis.asyncio.Redis`` and ``RedisCluster``."""
+        kw: dict[str, Any] = {"username": self.username, "password": self.password,
+                              "socket_timeout": max(section.timeout, 0.001),
+                              "socket_connect_timeout": section.connect_timeout, "health_check_interval": 0}
+        if self.tls:
+            kw.update(ssl=True, ssl_ca_certs=section.tls_ca, ssl_certfile=section.tls_cert,
+                      ssl_keyfile=section.tls_key)
+        return kw
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ``***`` (user names are kept)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"
+
+
+def parse_endpoint(section: RedisTierConfig, env: Mapping[str, str]) -> RedisEndpoint:
+    """Resolve a section's URL, cluster flag and credentials. Invalid URLs raise ``ConfigError``."""
+    path = f"tiers.{section.name}.url"
+    safe = redact(section.url)
+    scheme, sep, rest = section.url.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        raise ConfigError(path, f"unsupported Redis URL {safe!r}",
+                          "use redis://, rediss://, redis+cluster:// or rediss+cluster://")
+    tls, cluster = _SCHEMES[scheme]
+    userinfo, at, hostpart = rest.rpartition("@")
+    hostlist, _, dbpart = hostpart.partition("/")
+    dbpart = dbpart.partition("?")[0]
+    user, _, password = userinfo.partition(":") if at else ("", "", "")
+    hosts = tuple(_host_port(h, path, safe) for h in hostlist.split(",") if h)
+    if not hosts:
+        raise ConfigError(path, f"no host in Redis URL {safe!r}")
+    try:
+        db = int(dbpart) if dbpart else 0
+    except ValueError:
+        raise ConfigError(path, f"database {dbpart!r} in {safe!r} is not a number") from None
+    cluster = cluster or section.cluster
+    if cluster and db:
+        raise ConfigError(path, "Redis Cluster has only database 0")
+    return RedisEndpoint(hosts=hosts, db=db, tls=tls, cluster=cluster,
+                         username=section.username or unquote(user) or None,
+                         password=unquote(password) or env.get(section.password_env) or None, url=safe)
+
+
+def _host_port(text: str, path: str, safe: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":") if text.count(":") == 1 or text.startswith("[") else (text, "", "")
+    host = (host or text).strip("[]")
+    try:
+        return host, int(port) if port else 6379
+    except ValueError:
+        raise ConfigError(path, f"invalid port in Redis URL {safe!r}") from None

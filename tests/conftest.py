@@ -1,0 +1,56 @@
+"""Shared fixtures: real ``redis-server`` processes on free loopback ports (see ``tests/redis_servers.py``).
+
+``redis_server`` / ``redis_cluster`` are started once per session and shared: tests isolate themselves with a
+unique key prefix. ``redis_factory`` starts private servers (to kill, restart or pause) and kills them at teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import redis_servers` from any test directory
+
+from redis_servers import RedisClusterServers, RedisServer
+
+
+def _need_redis() -> None:
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server / redis-cli not installed")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One standalone server for the whole session (share it with a unique key prefix)."""
+    _need_redis()
+    with RedisServer(maxmemory="1gb") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    """A 3-master Redis Cluster for the whole session."""
+    _need_redis()
+    with RedisClusterServers(3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_factory() -> Iterator[Callable[..., RedisServer]]:
+    """Start private servers: ``redis_factory(password=..., maxmemory=...)``; every one is killed at teardown."""
+    _need_redis()
+    started: list[RedisServer] = []
+
+    def start(**kw: Any) -> RedisServer:
+        srv = RedisServer(**kw)
+        started.append(srv)
+        return srv.start()
+
+    yield start
+    for srv in started:
+        srv.stop()

@@ -1,0 +1,200 @@
+"""Shared measuring helpers for the bandwidth, overhead and TTFT benchmarks.
+
+Measuring honestly on a shared, noisy VM (one that hands freed memory back to its host and then refaults it
+at a fraction of memory speed):
+
+* buffers are allocated once and pre-touched (:func:`pretouch`), then reused by every repeat;
+* the runs being compared are interleaved, A B A B ... (:func:`interleave`), so drift hits both alike;
+* every figure is a :class:`Spread` (median, quartiles, min, max over the repeats), and a ratio is taken
+  between figures of the same run (:func:`paired_ratio`);
+* cold file reads drop the page cache of exactly the files read (:func:`drop_page_cache`).
+
+The machine description (:func:`machine_info`) and JSON writing (:func:`write_json`) are here too, so every
+result file says where it was measured. :func:`redis_server` starts a throw-away ``redis-server`` on a free
+loopback port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path("benchmarks") / "results"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Summary of repeated samples: median, quartiles and extremes."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Spread:
+        """Summarize ``samples`` (at least one)."""
+        if not samples:
+            raise ValueError("no samples")
+        data = sorted(samples)
+        if len(data) >= 2:
+            q1, _, q3 = statistics.quantiles(data, n=4, method="inclusive")
+        else:
+            q1 = q3 = data[0]
+        return cls(statistics.median(data), q1, q3, data[0], data[-1], len(data))
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Decimal gigabytes per second."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def timed(fn: Callable[[], object], device: str | torch.device = "cpu") -> float:
+    """Wall seconds one call of ``fn`` takes (waiting for the device's queued work on CUDA)."""
+    t0 = time.perf_counter()
+    fn()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def interleave(runs: Mapping[str, Callable[[], float]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Call every run once per round, in order, ``warmup + repeats`` rounds (A B A B ...).
+
+    Each run returns its own measurement (seconds, or anything else); warm-up rounds are discarded.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(warmup + repeats):
+        for name, run in runs.items():
+            value = run()
+            if round_ >= warmup:
+                samples[name].append(value)
+    return samples
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Spread:
+    """Spread of ``a[i] / b[i]`` over rounds measured side by side."""
+    return Spread.of([x / y for x, y in zip(a, b, strict=True) if y > 0])
+
+
+def pretouch(tensor: torch.Tensor) -> torch.Tensor:
+    """Write every page of ``tensor`` once (so that timed copies do not pay first-touch page faults)."""
+    tensor.fill_(1)
+    return tensor
+
+
+def touched(nbytes: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A new ``uint8`` tensor of ``nbytes`` random bytes (every page written)."""
+    gen = torch.Generator(device=device).manual_seed(nbytes)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=gen)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two tensors hold identical bytes (NaN payloads compare equal, unlike ``torch.equal``)."""
+    return a.numel() * a.element_size() == b.numel() * b.element_size() and torch.equal(
+        a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+
+
+def drop_page_cache(paths: Sequence[str | os.PathLike[str]]) -> None:
+    """Flush and drop the page cache of these files (fsync, then ``POSIX_FADV_DONTNEED``)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a result was measured: CPU, cores, memory, torch, device."""
+    mem_total = 0
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as f:
+            mem_total = int(f.readline().split()[1]) * 1024
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {
+        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem_total, "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_json(path: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
+    """Write ``data`` as indented JSON (creating the directory); return the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return out
+
+
+def format_size(nbytes: int) -> str:
+    """``33554432`` -> ``32MiB``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return f"{nbytes}B"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pong(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def redis_server(maxmemory: str = "2gb", timeout: float = 10.0) -> Iterator[str]:
+    """Run a private ``redis-server`` (no persistence) on a free loopback port; yield its URL; kill it after."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed")
+    port = _free_port()
+    workdir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru",
+            "--protected-mode", "no", "--loglevel", "warning"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout
+        while not _pong(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {port} did not start")
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,141 @@
+"""``kvtier bench throughput`` smoke runs: real tiers (pools, files, a private redis-server), real JSON.
+
+Speed is measured, never asserted: these tests check that every tier figure comes with the raw limit measured
+beside it, that the bytes round-trip, and the measuring helpers themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.bench import throughput
+from kvtier.bench.measure import Spread, drop_page_cache, interleave, paired_ratio, redis_server, same_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    return throughput.run(parser.parse_args(list(argv)))
+
+
+def check_result(r: dict) -> None:
+    for spread in (r["gbps"], r["raw"]["gbps"]):
+        assert set(spread) == {"median", "q1", "q3", "min", "max", "n"}
+        assert 0 < spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"] <= spread["max"]
+    assert r["raw"]["method"]
+    assert r["ratio"] == pytest.approx(r["gbps"]["median"] / r["raw"]["gbps"]["median"], rel=1e-3)
+    assert r["meets_goal"] == (r["ratio"] >= r["goal"])
+    assert r["batch_bytes"] == r["chunk_bytes"] * r["chunks"]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_quick_run_covers_every_tier_with_its_raw_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t.json"
+    assert run_cli("--quick", "--batch", "2MiB", "--sizes", "1MiB,256KiB", "--json", str(out),
+                   "--disk-path", str(tmp_path)) == 0
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "throughput" and data["quick"] is True
+    assert data["machine"]["cores"] >= 1
+    results = data["results"]
+    for r in results:
+        check_result(r)
+    seen = {(r["tier"], r["op"], r.get("cache", "")) for r in results}
+    assert {("cpu", "store", ""), ("cpu", "load", ""), ("cpu", "load_into", ""), ("gpu", "store", ""),
+            ("gpu", "load", ""), ("disk", "store", ""), ("disk", "load", "warm"), ("disk", "load", "cold"),
+            ("redis", "store", ""), ("redis", "load", ""), ("transfer", "gather", ""),
+            ("transfer", "scatter", "")} <= seen
+    assert {r["chunk_bytes"] for r in results if r["tier"] == "cpu"} == {1 << 20, 256 << 10}
+    assert all(r["verified"] for r in results if "verified" in r)
+    with_alt = {(r["tier"], r["op"]) for r in results if "raw_alt" in r}
+    assert with_alt == {("redis", "store"), ("redis", "load"), ("disk", "load"), ("cpu", "load"), ("gpu", "load")}
+    for r in results:
+        if "raw_alt" in r:
+            assert r["raw_alt"]["method"] and r["raw_alt"]["gbps"]["median"] > 0
+            assert r["raw_alt"]["ratio"] == pytest.approx(r["gbps"]["median"] / r["raw_alt"]["gbps"]["median"], rel=1e-3)
+    assert all(r["goal"] == (0.7 if r["tier"] in ("disk", "redis") else 0.8) for r in results)
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "% raw" in table and "redis" in table and "cold" in table
+    assert not list(tmp_path.glob("kvtier-bench-*"))  # disk files removed
+
+
+def test_script_runs_a_selected_tier_and_fsync_mode(tmp_path: Path) -> None:
+    out = tmp_path / "d.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--tiers", "disk",
+                           "--fsync", "on", "--sizes", "256KiB", "--batch", "1MiB", "--no-plot", "--json", str(out),
+                           "--disk-path", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert {(r["op"], r.get("cache")) for r in results} == {("store", None), ("load", "warm"), ("load", "cold")}
+    assert all(r["tier"] == "disk" for r in results)
+    assert [r.get("fsync") for r in results] == [True, None, None]  # the write mode; loads do not depend on it
+    assert not out.with_suffix(".png").exists()
+
+
+def test_unknown_tier_is_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown tiers: tape"):
+        run_cli("--quick", "--tiers", "cpu,tape")
+
+
+def test_interleave_alternates_and_drops_warmup() -> None:
+    calls: list[str] = []
+
+    def make(name: str, value: float):
+        def run() -> float:
+            calls.append(name)
+            return value + len(calls)
+        return run
+
+    samples = interleave({"a": make("a", 0), "b": make("b", 100)}, repeats=3, warmup=1)
+    assert calls == ["a", "b"] * 4
+    assert samples == {"a": [3, 5, 7], "b": [104, 106, 108]}
+
+
+def test_spread_and_paired_ratio() -> None:
+    s = Spread.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median, s.min, s.max, s.q1, s.q3, s.n) == (3.0, 1.0, 5.0, 2.0, 4.0, 5)
+    assert Spread.of([2.0]).as_dict()["q3"] == 2.0
+    assert paired_ratio([2.0, 4.0], [4.0, 4.0]).median == 0.75
+    with pytest.raises(ValueError):
+        Spread.of([])
+
+
+def test_same_bytes_treats_nan_payloads_as_equal() -> None:
+    a = torch.full((4,), float("nan"), dtype=torch.bfloat16)
+    assert same_bytes(a, a.clone()) and not torch.equal(a, a.clone())
+    b = a.clone()
+    b.view(torch.uint8)[0] ^= 1
+    assert not same_bytes(a, b)
+
+
+def test_drop_page_cache_keeps_contents(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 16))
+    before = path.read_bytes()
+    drop_page_cache([path])
+    assert path.read_bytes() == before
+    with pytest.raises(FileNotFoundError):
+        drop_page_cache([tmp_path / "missing"])
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_private_redis_server_answers_and_is_killed() -> None:
+    import redis
+
+    with redis_server(maxmemory="64mb") as url:
+        client = redis.Redis.from_url(url)
+        assert client.ping() and client.config_get("maxmemory")["maxmemory"] == str(64 << 20)
+        client.close()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()

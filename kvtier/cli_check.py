@@ -20,6 +20,7 @@ from kvtier.config import (
     GpuTierConfig,
     KvtierConfig,
     RedisTierConfig,
+    TierKind,
     load_config,
     validate_for_layout,
 )
@@ -115,7 +116,8 @@ def report(cfg: KvtierConfig, shape: ModelShape, source: str) -> dict[str, Any]:
     record = chunk_payload + HEADER_SIZE + (MAC_BYTES if cfg.security.hmac_key_env else 0)
     tiers = []
     for tier in cfg.tiers:
-        chunks = tier.capacity // record
+        # Memory tiers hold raw payloads in slots; disk and Redis hold encoded records (header + payload).
+        chunks = tier.capacity // (chunk_payload if tier.kind in (TierKind.CPU, TierKind.GPU) else record)
         groups = [k.value for k in GroupKind if tier.name in cfg.tiers_for(k)]
         tiers.append({"name": tier.name, "kind": tier.kind.value, "capacity_bytes": tier.capacity,
                       "capacity": format_size(tier.capacity), "chunks": chunks, "tokens": chunks * cfg.chunk_size,

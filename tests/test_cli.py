@@ -45,7 +45,8 @@ def test_check_default_config(default_report: subprocess.CompletedProcess[str]) 
     assert "128 KiB per token" in out and "32 MiB per chunk" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cpu ", "disk "))}
     assert rows["cpu"][:3] == ["cpu", "cpu", str(2 * GiB)]
-    assert rows["cpu"][5:7] == ["63", str(63 * 256)]  # 2 GiB / (32 MiB + header) = 63 whole chunks
+    assert rows["cpu"][5:7] == ["64", str(64 * 256)]  # memory slots hold raw payloads: 2 GiB / 32 MiB
+    # disk records carry a header: 8 GiB / (32 MiB + header) = 255 whole chunks
     assert rows["disk"][5:7] == ["255", str(255 * 256)]
     assert "eviction=prefix_lru write=write_back promote_on_hit=true" in out
     assert default_report.stderr == ""

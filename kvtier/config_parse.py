@@ -200,9 +200,20 @@ def default_cache_dir(env: Mapping[str, str]) -> str:
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "unix")
 
 
-def check_redis_url(url: str, path: str) -> bool:
-    """Validate a Redis URL; return whether it names a cluster (``redis+cluster://h:p,h:p``)."""
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user info replaced by ``***`` (for messages: secrets never shown)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hosts}"
+
+
+def check_redis_url(raw_url: str, path: str) -> bool:
+    """Validate a Redis URL; return whether it names a cluster (``redis+cluster://h:p,h:p``). Error messages
+    show the URL with its password redacted."""
     hint = "use redis://host:port/db, rediss://host:port/db, redis+cluster://host:port,host:port or unix:///path"
+    url = redact_url(raw_url)
     try:
         parts = urlsplit(url)
     except ValueError as exc:

@@ -53,6 +53,7 @@ class _ReqState:
     keys: list[list[Key]]
     block_ids: list[list[int]] = field(default_factory=list)
     saved_chunks: int = 0
+    unfilled: list[range] = field(default_factory=list)  # per group: chunks a load left unwritten (never saved)
 
 
 def _tokens(source: Any) -> Sequence[int]:
@@ -181,8 +182,16 @@ class SchedulerHalf:
             self._sync_pins.extend(pins)
         self._step_loads.extend(specs)
         state = self._requests.get(request.request_id)
-        if state is not None and not self.cfg.policy.promote_on_hit:
-            state.saved_chunks = max(state.saved_chunks, hit.chunks)
+        if state is not None:
+            state.unfilled = [self._unfilled(g, hit) for g in range(len(self._needs))]
+            if not self.cfg.policy.promote_on_hit:
+                state.saved_chunks = max(state.saved_chunks, hit.chunks)
+
+    def _unfilled(self, group: int, hit: _Hit) -> range:
+        """Chunks of ``group`` below the hit that neither the engine nor the load wrote: a sliding-window group
+        loads only the chunks covering its window, so the blocks of earlier chunks hold stale bytes."""
+        first_loaded = self._needs[group].needed(hit.chunks, self.cfg.chunk_size).start
+        return range(min(hit.local_tokens // self.cfg.chunk_size, first_loaded), first_loaded)
 
     def _load_specs(self, req_id: str, hit: _Hit, block_ids: Sequence[Sequence[int]]) -> list[LoadSpec]:
         size = self.cfg.chunk_size
@@ -247,8 +256,9 @@ class SchedulerHalf:
             if not self._placement[g] or self._needs[g].kind is GroupKind.MAMBA:
                 continue
             per_chunk = size // group.kv_cache_spec.block_size
+            unfilled = state.unfilled[g] if g < len(state.unfilled) else range(0)
             chunks = [i for i in range(state.saved_chunks, full)
-                      if _chunk_blocks(state.block_ids, g, i, per_chunk) is not None]
+                      if i not in unfilled and _chunk_blocks(state.block_ids, g, i, per_chunk) is not None]
             if not chunks:
                 continue
             keys = all_keys[g]

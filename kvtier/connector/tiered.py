@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -39,12 +38,10 @@ def is_scheduler(role: Any) -> bool:
 
 
 def hmac_key(cfg: KvtierConfig) -> bytes | None:
-    """The record-signing key from the environment variable the config names, if any."""
-    var = cfg.security.hmac_key_env
-    value = os.environ.get(var) if var else None
-    if var and not value:
-        raise ConnectorError(f"security.hmac_key_env names {var!r}, which is not set")
-    return value.encode() if value else None
+    """The record-signing key from the environment variable the config names, if any (kvtier.security)."""
+    from kvtier.security import load_hmac_key
+
+    return load_hmac_key(cfg.security)
 
 
 def config_from_engine(vllm_config: Any) -> KvtierConfig:

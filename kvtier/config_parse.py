@@ -318,7 +318,7 @@ def read_yaml(file: str | os.PathLike[str]) -> dict[str, Any]:
         text = Path(name).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError("", f"config file {name!r} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: undecodable text, or a NUL byte in the path
         raise ConfigError("", f"cannot read config file {name!r}: {exc}") from None
     try:
         data = yaml.safe_load(text)

@@ -3,9 +3,10 @@
 Lifecycle: ``store = TieredStore.from_config(cfg)`` -> ``await store.start()`` (starts the tiers, adopts what
 persistent tiers already hold) -> ``lookup`` / ``get`` / ``put`` -> ``await store.close()``.
 
-Control plane: ``self.directory`` (see kvtier.directory). Data plane: ``read`` / ``write`` / ``delete`` /
-``move`` / ``execute`` act on tiers without deciding anything; the connector's worker half uses only these,
-while its scheduler half owns a directory of its own. ``get`` and ``put`` compose both planes.
+Control plane: ``self.directory`` (see kvtier.directory). Data plane: ``read`` / ``read_into`` / ``borrow`` +
+``release`` / ``write`` / ``delete`` / ``move`` / ``execute`` act on tiers without deciding anything; the
+connector's worker half uses only these, while its scheduler half owns a directory of its own. ``get`` and
+``put`` compose both planes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kvtier.config import KvtierConfig, WritePolicy
 from kvtier.directory import Directory, StorePlan, TierSlot
 from kvtier.keys import Key
 from kvtier.policy import make_policy
-from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers.base import Borrowing, Tier, TierStats
 
 if TYPE_CHECKING:
     import torch
@@ -181,6 +182,35 @@ class TieredStore:
     # ---- data plane ---------------------------------------------------------------------------------------
     async def read(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None]:
         return await self._tiers[tier].get(keys)
+
+    async def read_into(self, tier: str, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        """Copy records into caller buffers (contiguous, the record's byte size); False for a miss."""
+        return await self._tiers[tier].get_into(items)
+
+    async def borrow(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        """Records to read without copying them first: a memory tier lends zero-copy views, pinned (their bytes
+        stay valid) until ``release``; records it cannot lend, and other tiers' records, come from ``get``.
+        Always pair with ``release(tier, keys)``, which must run on the same event loop."""
+        target = self._tiers[tier]
+        if not isinstance(target, Borrowing):
+            return await target.get(keys)
+        values = target.borrow(keys)
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:
+            try:
+                got = await target.get([keys[i] for i in missing])
+            except BaseException:
+                target.release(keys)
+                raise
+            for i, value in zip(missing, got, strict=True):
+                values[i] = value
+        return values
+
+    async def release(self, tier: str, keys: Sequence[Key]) -> None:
+        """End a ``borrow``: the views it lent may be overwritten from now on."""
+        target = self._tiers[tier]
+        if isinstance(target, Borrowing):
+            target.release(keys)
 
     async def write(self, tier: str, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
         return await self._tiers[tier].put(items)

@@ -135,3 +135,27 @@ async def test_capacity_never_exceeded_under_churn(tmp_path: Path, eviction: str
     disk_files = sum(os.path.getsize(p) for p in tmp_path.rglob("*.kvt"))
     assert disk_files <= store.tier("disk").capacity_bytes
     await store.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+async def test_read_into_and_borrow_equal_read(tmp_path: Path, tier: str) -> None:
+    store = await started(make_cfg(tmp_path, 8, 8))
+    items = chunks(3)
+    assert await store.write(tier, items) == [True] * 3
+    keys = [k for k, _ in items] + [b"\x01" * 32]
+    read = await store.read(tier, keys)
+    outs = [torch.zeros(SHAPE) for _ in keys]
+    assert await store.read_into(tier, list(zip(keys, outs, strict=True))) == [True, True, True, False]
+    borrowed = await store.borrow(tier, keys)
+    assert borrowed[3] is None and read[3] is None
+    for (_, want), r, out, b in zip(items, read[:3], outs[:3], borrowed[:3], strict=True):
+        assert r is not None and b is not None and torch.equal(r, want) and torch.equal(out, want)
+        assert torch.equal(b, want) and b.dtype == want.dtype and b.shape == want.shape
+    # a borrowed record stays intact while its key is deleted and its space written again
+    assert await store.delete(tier, keys[:1]) == 1
+    assert await store.write(tier, chunks(3, seed=100)) == [True] * 3
+    assert torch.equal(borrowed[0], items[0][1])
+    await store.release(tier, keys)
+    if tier == "cpu":
+        assert store.tier("cpu").pool.pinned() == 0  # type: ignore[attr-defined]
+    await store.close()

@@ -126,3 +126,65 @@ def test_gather_into_another_device_or_buffer() -> None:
     buf = torch.empty_like(expected)
     assert gather(layers, ids, KVLayout.KV_FIRST, out=buf) is buf
     assert torch.equal(buf, expected)
+
+
+def _reference_blocks(layers: list[torch.Tensor], layout: KVLayout, ids: list[list[int]]) -> torch.Tensor:
+    """Payloads built block by block with plain indexing (what gather must produce)."""
+    chunks = []
+    for chunk in ids:
+        per_layer = []
+        for t in layers:
+            if layout is KVLayout.KV_FIRST:
+                per_layer.append(torch.cat([t[:, b] for b in chunk], dim=1))
+            elif layout is KVLayout.BLOCKS_FIRST:
+                per_layer.append(torch.cat([t[b] for b in chunk], dim=1))
+            else:
+                per_layer.append(torch.cat([t[b] for b in chunk], dim=0))
+        chunks.append(torch.stack(per_layer))
+    return torch.stack(chunks)
+
+
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Arbitrary bit patterns (NaNs, infinities, denormals included): copies must keep every bit."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).view(shape)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize(("n_chunks", "per_chunk"), [(2, 4), (6, 2), (1, 1), (5, 1)])  # per-chunk / per-column
+@pytest.mark.parametrize("head", [HEAD, 3])  # 3 bf16 values per row: no wider view of the bytes exists
+@pytest.mark.parametrize("as_list", [False, True])
+def test_direct_paths_match_block_by_block_copies(layout: KVLayout, n_chunks: int, per_chunk: int, head: int,
+                                                  as_list: bool) -> None:
+    blocks = n_chunks * per_chunk + 1
+    shape = {KVLayout.KV_FIRST: (2, blocks, BS, HEADS, head), KVLayout.BLOCKS_FIRST: (blocks, 2, BS, HEADS, head),
+             KVLayout.MLA: (blocks, BS, head)}[layout]
+    src = [_random_bits(shape, torch.bfloat16, seed) for seed in range(3)]
+    order = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(7)).add(1).tolist()
+    ids = [order[i * per_chunk:(i + 1) * per_chunk] for i in range(n_chunks)]
+    payload = gather(src, ids, layout)
+    assert _same_bits(payload, _reference_blocks(src, layout, ids))
+    dst = [torch.zeros_like(t) for t in src]
+    dst_ids = [list(reversed(c)) for c in reversed(ids)]
+    dst_ids[0][0] = NULL_BLOCK  # left alone
+    scatter(dst, dst_ids, layout, list(payload.unbind(0)) if as_list else payload)
+    expected = [torch.zeros_like(t) for t in src]
+    for li in range(3):
+        for chunk, targets in zip(payload.unbind(0), dst_ids, strict=True):
+            layer = chunk[li]
+            for j, b in enumerate(targets):
+                if b == NULL_BLOCK:
+                    continue
+                if layout is KVLayout.KV_FIRST:
+                    expected[li][:, b] = layer[:, j * BS:(j + 1) * BS]
+                elif layout is KVLayout.BLOCKS_FIRST:
+                    expected[li][b] = layer[:, j * BS:(j + 1) * BS]
+                else:
+                    expected[li][b] = layer[j * BS:(j + 1) * BS]
+    for got, want in zip(dst, expected, strict=True):
+        assert _same_bits(got, want)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

@@ -125,16 +125,19 @@ class SchedulerHalf:
         return chunks * size - num_computed_tokens, is_async
 
     def _locate(self, group: int, keys: Sequence[Key]) -> list[str | None]:
-        """The fastest tier of the group's placement holding each key (None: nowhere)."""
+        """The fastest tier of the group's placement holding each key (None: nowhere). Without shared tiers, a
+        group that needs a whole prefix (not sliding window) stops at the first chunk no tier holds: the chunks
+        past it cannot be part of a hit (they stay None)."""
         out: list[str | None] = [None] * len(keys)
-        shared: list[str] = []
-        for name in self._placement[group]:
-            if self.directory.is_shared(name):
-                shared.append(name)
-                continue
-            for i, key in enumerate(keys):
-                if out[i] is None and self.directory.contains(name, key):
-                    out[i] = name
+        placement = self._placement[group]
+        local = [n for n in placement if not self.directory.is_shared(n)]
+        shared = [n for n in placement if self.directory.is_shared(n)]
+        prefix_only = not shared and self._needs[group].kind is not GroupKind.SLIDING_WINDOW
+        contains = self.directory.contains
+        for i, key in enumerate(keys):
+            out[i] = next((n for n in local if contains(n, key)), None)
+            if out[i] is None and prefix_only:
+                break
         for name in shared:
             missing = [i for i, loc in enumerate(out) if loc is None]
             if not missing:

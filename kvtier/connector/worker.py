@@ -3,7 +3,8 @@
 Lifecycle:
     register_kv_caches(kv_caches)         layers -> groups, layout of each group's paged tensors
   per step:
-    start_load_kv(metadata)               sync loads: read (memory tiers) + scatter before returning;
+    start_load_kv(metadata)               sync loads: borrow views (memory tiers), scatter, release, before
+                                          returning;
                                           async loads: reads start on the I/O loop
     wait_for_save()                       gather this step's save chunks (the blocks are free to reuse once
                                           it returns), then evict / demote / write on the I/O loop, in order
@@ -164,12 +165,7 @@ class WorkerHalf:
         sync = [s for s in metadata.loads if not s.is_async]
         if sync:
             t0 = time.perf_counter()
-            try:
-                results = self._loop.run(self._read_all(sync))
-            except Exception as exc:  # a dead tier fails the load, not the engine
-                logger.warning("synchronous load failed: %r", exc)
-                results = [[None] * len(s.keys) for s in sync]
-            self._apply(sync, results)
+            self._load_now(sync)
             self._stats.add(load_seconds=time.perf_counter() - t0)
         by_req: dict[str, list[LoadSpec]] = {}
         for spec in metadata.loads:
@@ -177,6 +173,52 @@ class WorkerHalf:
                 by_req.setdefault(spec.req_id, []).append(spec)
         for req_id, specs in by_req.items():
             self._recving[req_id] = (specs, self._loop.submit(self._read_all(specs)))
+
+    def _load_now(self, specs: Sequence[LoadSpec]) -> None:
+        """Synchronous loads, one copy per byte: memory tiers lend pinned views that are scattered straight into
+        the blocks, then released (after the device has consumed them)."""
+        borrowed: list[tuple[str, list[Key]]] = []
+        try:
+            results = self._loop.run(self._borrow_all(specs, borrowed))
+        except Exception as exc:  # a dead tier fails the load, not the engine
+            logger.warning("synchronous load failed: %r", exc)
+            results = [[None] * len(s.keys) for s in specs]
+        try:
+            self._apply(specs, results)
+            self._sync_devices()
+        finally:
+            if borrowed:
+                self._loop.run(self._release_all(borrowed))
+
+    def _sync_devices(self) -> None:
+        """Wait for the copies queued on the layers' CUDA devices (they may still read borrowed host views)."""
+        devices = {t.device for layers in self._layers for t in layers if t.is_cuda}
+        if devices:
+            import torch
+
+            for device in devices:
+                torch.cuda.current_stream(device).synchronize()
+
+    async def _borrow_all(self, specs: Sequence[LoadSpec], borrowed: list[tuple[str, list[Key]]]) -> list[Reads]:
+        """Like ``_read_all``, but memory tiers lend views; ``borrowed`` lists what to release, even on error."""
+        out: list[Reads] = []
+        try:
+            for spec in specs:
+                keys = [self._key(spec.group, k) for k in spec.keys]
+                if self.store.tier(spec.tier).is_memory:
+                    out.append(await self.store.borrow(spec.tier, keys))
+                    borrowed.append((spec.tier, keys))
+                else:
+                    out.append(await self.store.read(spec.tier, keys))
+        except BaseException:
+            await self._release_all(borrowed)
+            borrowed.clear()
+            raise
+        return out
+
+    async def _release_all(self, borrowed: Sequence[tuple[str, list[Key]]]) -> None:
+        for tier, keys in borrowed:
+            await self.store.release(tier, keys)
 
     async def _read_all(self, specs: Sequence[LoadSpec]) -> list[Reads]:
         reads = [self.store.read(s.tier, [self._key(s.group, k) for k in s.keys]) for s in specs]

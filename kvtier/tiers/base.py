@@ -11,6 +11,8 @@ tensor of the same dtype, shape and contents). Rules every tier follows:
   ``contains``, never an exception; a corrupt record is also deleted and counted in ``stats().corrupt``.
 * ``put`` never exceeds ``capacity_bytes``: an item that does not fit is refused (``False``), not stored.
   Choosing victims is the control plane's job (``kvtier.directory``); the tier only stores and deletes.
+* ``get_into`` copies records into caller buffers instead of returning new tensors (default: ``get`` + copy;
+  memory tiers copy straight from their pool). Memory tiers also lend pinned zero-copy views (``Borrowing``).
 * ``entries()`` lists what a local tier already holds at start (disk: rebuilt from headers) so the
   directory can adopt it; shared tiers (Redis) are not enumerated and are asked with ``contains``.
 """
@@ -21,7 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvtier.keys import Key
 
@@ -90,6 +92,12 @@ class Tier(ABC):
     @abstractmethod
     async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]: ...
 
+    async def get_into(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        """Copy each record's bytes into its buffer (contiguous, the record's byte size); False for a miss.
+        A buffer of another byte size raises ``ValueError``. Default: ``get``, then one copy per record."""
+        values = await self.get([k for k, _ in items])
+        return [copy_bytes(value, out) for (_, out), value in zip(items, values, strict=True)]
+
     @abstractmethod
     async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]: ...
 
@@ -110,6 +118,32 @@ class Tier(ABC):
 
     async def close(self) -> None:
         """Release the medium. Default: nothing to do."""
+
+
+@runtime_checkable
+class Borrowing(Protocol):
+    """A tier that lends zero-copy views of its records (memory tiers): ``borrow`` pins the keys and returns
+    views (None where it cannot lend one: read those with ``get``); they stay valid until ``release``."""
+
+    def borrow(self, keys: Sequence[Key]) -> list[torch.Tensor | None]: ...
+
+    def release(self, keys: Sequence[Key]) -> None: ...
+
+
+def copy_bytes(value: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """Copy ``value``'s bytes into ``out`` (same byte size, else ``ValueError``); False when ``value`` is None."""
+    if value is None:
+        return False
+    import torch
+
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    src = value.contiguous().reshape(-1).view(torch.uint8)
+    dst = out.reshape(-1).view(torch.uint8)
+    if dst.numel() != src.numel():
+        raise ValueError(f"out has {dst.numel()} bytes, the record {src.numel()}")
+    dst.copy_(src)
+    return True
 
 
 class Timer:

@@ -11,7 +11,8 @@ OSError while writing (ENOSPC included) drops that write, removes the temp file 
 Reads verify the key, checksum and signature; a corrupt or truncated file is a miss, deleted and counted in
 ``corrupt``; a file removed behind our back (another process sharing the directory) is a miss. Each record is
 read or written by one blocking call in a worker thread (``asyncio.to_thread``): one thread hop per record
-instead of one per file operation (aiofiles), and the read goes straight into the returned tensor's memory.
+instead of one per file operation (aiofiles), and the read goes straight into the returned tensor's memory,
+recycled from results the caller dropped (``kvtier.tiers.recycle``: already touched, never reused while held).
 The index is only touched on the event loop thread, so it needs no lock.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from kvtier.keys import Key
 from kvtier.layout import dtype_name
 from kvtier.tiers.base import Tier, TierEntry, Timer
 from kvtier.tiers.disk_index import DIR_MODE, Layout, scan
+from kvtier.tiers.recycle import DEFAULT_MAX_IDLE, Recycler
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +97,19 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int) -> tuple[torch.Tensor, int]:
-    """Read and verify one record (blocking); return it and the file size.
-    Raises FileNotFoundError, CorruptRecord or OSError."""
+def _new_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
+                alloc: Callable[[int], torch.Tensor] = _new_buffer) -> tuple[torch.Tensor, int]:
+    """Read and verify one record (blocking); return it and the file size. ``alloc(n)`` gives the ``uint8``
+    buffers read into (the result is a view of one). Raises FileNotFoundError, CorruptRecord or OSError."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if not HEADER_SIZE <= size <= max_size:
             raise CorruptRecord(f"file size {size} is outside [{HEADER_SIZE}, {max_size}]")
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = alloc(size)
         view = buf.numpy().data
         got = 0
         while got < size:
@@ -116,7 +123,7 @@ def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int) -> t
     if not header.flags & (FLAG_LZ4 | FLAG_ZSTD):  # stored raw: the payload stays in the read buffer
         payload = buf[header.prefix_len:]
     else:
-        payload = torch.empty(header.raw_len, dtype=torch.uint8)
+        payload = alloc(header.raw_len)
         payload.numpy()[:] = np.frombuffer(record.payload, dtype=np.uint8)
     return payload.view(dtype).reshape(header.shape), size
 
@@ -135,6 +142,8 @@ class DiskTier(Tier):
         self._used = 0
         self._reserved = 0
         self._writing: dict[Key, asyncio.Future[None]] = {}
+        # read buffers reuse the memory of results callers dropped (fresh memory is slow on some VMs)
+        self._buffers = Recycler(min(section.capacity, DEFAULT_MAX_IDLE))
 
     async def start(self) -> None:
         """Create the root (0700) and rebuild the index from the files already there."""
@@ -173,9 +182,10 @@ class DiskTier(Tier):
         return [TierEntry(k, s) for k, s in self._index.items()]
 
     async def close(self) -> None:
-        """Wait for writes in flight. Idempotent."""
+        """Wait for writes in flight; free idle read buffers. Idempotent."""
         while self._writing:
             await asyncio.gather(*self._writing.values(), return_exceptions=True)
+        self._buffers.clear()
 
     def used_bytes(self) -> int:
         return self._used
@@ -202,7 +212,8 @@ class DiskTier(Tier):
     async def _get_one(self, key: Key) -> torch.Tensor | None:
         path = self.layout.path(key)
         try:
-            tensor, size = await asyncio.to_thread(read_record, path, key, self.hmac_key, self.capacity_bytes)
+            tensor, size = await asyncio.to_thread(read_record, path, key, self.hmac_key, self.capacity_bytes,
+                                                   self._buffers.take)
         except FileNotFoundError:
             self._forget(key)
             return None

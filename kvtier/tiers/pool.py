@@ -25,6 +25,7 @@ import torch
 
 from kvtier.keys import Key
 from kvtier.tiers.base import Tier, Timer
+from kvtier.tiers.recycle import DEFAULT_MAX_IDLE, Recycler
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class SlotPool:
         self._pins: dict[Key, int] = {}
         self._deferred: dict[Key, list[tuple[Run, ...]]] = {}
         self._used_slots = 0
+        # pageable host results reuse memory their callers dropped (pinned ones: CUDA's caching host allocator)
+        self._recycler = Recycler(min(self.capacity, DEFAULT_MAX_IDLE)) if self.device.type == "cpu" else None
 
     def allocate(self) -> None:
         """Allocate the buffer and touch every page once."""
@@ -156,6 +159,8 @@ class SlotPool:
         self._pins.clear()
         self._deferred.clear()
         self._used_slots = 0
+        if self._recycler is not None:
+            self._recycler.clear()
 
     @property
     def slot_bytes(self) -> int:
@@ -230,8 +235,10 @@ class SlotPool:
         rec = self._map.get(key)
         if rec is None:
             return None
-        # pinned pool, pinned result (CUDA's caching host allocator): the next host-to-device copy is fast
-        out = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+        if self._recycler is not None and not self.pin_memory:
+            out = self._recycler.take(rec.nbytes)
+        else:  # pinned pool, pinned result (cached by CUDA's host allocator): host-to-device copies stay fast
+            out = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
         self._copy_out(rec, out)
         return out.view(rec.dtype).reshape(rec.shape)
 
@@ -382,3 +389,15 @@ class PoolTier(Tier):
     def view(self, key: Key) -> torch.Tensor | None:
         """Zero-copy view of a record (see ``SlotPool.view``); pin the key while using it."""
         return self.pool.view(key)
+
+    def borrow(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        """Pin every key and return zero-copy views (None: a miss, or a record split over several runs; read
+        those with ``get``). Counted as gets. Valid until ``release(keys)``."""
+        self.pool.pin(keys)
+        views = [self.pool.view(k) for k in keys]
+        self._count_gets([self.pool.nbytes(k) for k, v in zip(keys, views, strict=True) if v is not None])
+        return views
+
+    def release(self, keys: Sequence[Key]) -> None:
+        """End a ``borrow`` of these keys (unpins them)."""
+        self.pool.unpin(keys)

@@ -249,3 +249,30 @@ def test_a_paged_layout_that_disagrees_with_the_config_is_refused(tmp_path: Path
             work.register_kv_caches(heads_first)
     finally:
         work.shutdown()
+
+
+def test_cpu_load_scatters_from_borrowed_views_and_releases_them(tmp_path: Path) -> None:
+    kv = paged(11)
+    eng = Engine(make_cfg(tmp_path, ("cpu",)), kv)
+    try:
+        a = Request("A", TOKENS)
+        eng.sched.get_num_new_matched_tokens(a, 0)
+        eng.run_prefill(a, A_IDS)
+        eng.sched.request_finished(a, A_IDS)
+        eng.work.handle_preemptions(None)
+        eng.step(SchedulerOutput(finished_req_ids={"A"}))
+        worker = eng.work._worker
+        assert worker is not None
+        cpu = worker.store.tier("cpu")
+        hits_before = cpu.stats().get_hits
+        b = Request("B", TOKENS)
+        assert eng.sched.get_num_new_matched_tokens(b, 0) == (4 * C, False)
+        eng.sched.update_state_after_alloc(b, KVCacheBlocks((B_IDS,)), 4 * C)
+        out = eng.run_prefill(b, B_IDS, 4 * C)
+        assert not out.invalid_block_ids
+        for n in kv:
+            assert torch.equal(kv[n][:, B_IDS[:8]], kv[n][:, A_IDS[:8]])
+        assert cpu.stats().get_hits - hits_before == 4  # read as views, counted as gets
+        assert cpu.pool.pinned() == 0  # type: ignore[attr-defined]  # every borrowed view was released
+    finally:
+        eng.close()

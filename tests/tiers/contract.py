@@ -114,6 +114,36 @@ class TierContract:
             else:
                 assert_same(g, items[i][1])
 
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    async def test_get_into_equals_get(self, make: Factory, dtype: torch.dtype) -> None:
+        tier = await make()
+        items = [(key(i), rand((8, 64), dtype, seed=i)) for i in range(3)]
+        assert await tier.put(items) == [True] * 3
+        got = await tier.get([key(i) for i in range(3)])
+        outs = [torch.full((nbytes(t),), 7, dtype=torch.uint8) for _, t in items]
+        spare = torch.full((nbytes(items[0][1]),), 7, dtype=torch.uint8)
+        found = await tier.get_into([*zip([key(i) for i in range(3)], outs, strict=True), (key(9), spare)])
+        assert found == [True, True, True, False]
+        for value, out in zip(got, outs, strict=True):
+            assert value is not None and raw(out) == raw(value)
+        assert raw(spare) == bytes([7]) * spare.numel()  # a miss leaves its buffer alone
+        with pytest.raises(ValueError):
+            await tier.get_into([(key(0), torch.empty(3, dtype=torch.uint8))])
+
+    async def test_results_stay_valid_while_held(self, make: Factory) -> None:
+        # results may reuse the memory of dropped ones, never of ones (or views of ones) still held
+        tier = await make()
+        items = [(key(i), rand((4096,), seed=i)) for i in range(4)]
+        assert await tier.put(items) == [True] * 4
+        [first] = await tier.get([key(0)])
+        assert first is not None
+        view = first[1:].view(torch.uint8)
+        del first
+        for _ in range(3):
+            for got, (_, want) in zip(await tier.get([k for k, _ in items]), items, strict=True):
+                assert_same(got, want)
+        assert raw(view) == raw(items[0][1])[4:]
+
     async def test_contains(self, make: Factory) -> None:
         tier = await make()
         await tier.put([(key(0), rand((64,))), (key(1), rand((64,), seed=1))])

@@ -179,3 +179,40 @@ def test_pool_put_before_start_fails_loudly() -> None:
 def test_not_pinned_without_cuda() -> None:
     tier = CpuTier(CpuTierConfig(name="c", capacity=4096, pin_memory=True))
     assert tier.pool.pin_memory == torch.cuda.is_available()
+
+
+async def test_borrowed_views_stay_valid_until_released() -> None:
+    tier = await started(1 << 20, slot_bytes=4096)
+    a, b = rand((1024,), seed=1), rand((1024,), seed=2)
+    await tier.put([(key(0), a), (key(1), b)])
+    views = tier.borrow([key(0), key(1), key(7)])
+    assert views[2] is None and views[0] is not None and views[1] is not None
+    assert views[0].data_ptr() != a.data_ptr()
+    assert_same(views[0], a)
+    assert tier.stats().get_hits == 2
+    # deleting and overwriting while borrowed hides the old records but keeps their bytes
+    await tier.delete([key(0)])
+    assert await tier.put([(key(1), rand((1024,), seed=3))]) == [True]
+    await tier.put([(key(5 + i), rand((1024,), seed=9)) for i in range(20)])
+    assert_same(views[0], a)
+    assert_same(views[1], b)
+    tier.release([key(0), key(1), key(7)])
+    assert tier.pool.pinned() == 0
+    assert await tier.get([key(0)]) == [None]
+    used = tier.used_bytes()
+    await tier.delete([key(1)] + [key(5 + i) for i in range(20)])
+    assert used == 21 * 4096 and tier.used_bytes() == 0  # the deferred slots were freed at release
+
+
+async def test_get_reuses_memory_of_dropped_results_only() -> None:
+    tier = await started(1 << 20)
+    await tier.put([(key(0), rand((4096,), seed=1)), (key(1), rand((4096,), seed=2))])
+    [held] = await tier.get([key(0)])
+    [dropped] = await tier.get([key(1)])
+    assert held is not None and dropped is not None
+    ptr = dropped.data_ptr()
+    del dropped
+    [again] = await tier.get([key(1)])
+    assert again is not None and again.data_ptr() == ptr  # recycled: no fresh memory
+    assert again.data_ptr() != held.data_ptr()
+    assert_same(held, rand((4096,), seed=1))

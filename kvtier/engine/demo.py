@@ -18,7 +18,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import DiskTierConfig, KvtierConfig, load_config
+from kvtier.config import DiskTierConfig, KvtierConfig, TierKind, load_config
+from kvtier.config_parse import format_size, parse_size
 from kvtier.engine.core import Engine, EngineArgs, KVTierPair
 from kvtier.engine.model import ModelConfig
 from kvtier.engine.scheduler import EngineRequest
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sliding window of every other layer (hybrid model); 0: full attention only")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-capacity",
+                        help="capacity of the memory tiers (cpu, gpu); default: 1MiB with the embedded config (the "
+                             "tiny model's KV is small: chunks then spill to disk), the file's sizes with --config")
     parser.add_argument("--persist", action="store_true",
                         help="keep the disk tier where the config puts it (default: a temporary directory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -70,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace, stack: ExitStack) -> KvtierConfig:
     """The config with the demo's chunk size and, unless ``--persist``, every disk tier in a temp dir."""
     cfg = load_config(args.config, overrides={"chunk_size": args.chunk_size})
+    memory = args.memory_capacity or (None if args.config else "1MiB")
+    if memory is not None:
+        size = parse_size(memory, "--memory-capacity")
+        cfg = dataclasses.replace(cfg, tiers=tuple(
+            dataclasses.replace(t, capacity=size) if t.kind in (TierKind.CPU, TierKind.GPU) else t
+            for t in cfg.tiers))
     if args.persist:
         return cfg
     root = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-"))
@@ -85,7 +95,7 @@ def _demo(args: argparse.Namespace, cfg: KvtierConfig) -> int:
     model = ModelConfig(sliding_window=window, dtype=args.dtype,
                         max_model_len=max(1024, -(-spec.max_prompt_len() // 128) * 128))
     engine_args = EngineArgs(model=model, num_blocks=_blocks_needed(spec, args.users), max_num_seqs=args.users)
-    tiers = ", ".join(f"{t.name} ({t.kind}, {t.capacity >> 20} MiB)" for t in cfg.tiers)
+    tiers = ", ".join(f"{t.name} ({t.kind}, {format_size(t.capacity)})" for t in cfg.tiers)
     print(f"kvtier demo: {args.users} users x {args.turns} turns, tiny {model.num_layers}-layer model "
           f"({'hybrid, window ' + str(window) if window else 'full attention'}, {model.dtype}), "
           f"chunk {cfg.chunk_size} tokens, tiers: {tiers}, write policy {cfg.policy.write}")

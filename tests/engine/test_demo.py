@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -52,10 +53,13 @@ def test_demo_rejects_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "chunk_sise" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_kvtier_demo_command_with_defaults_finishes_quickly() -> None:
+def test_kvtier_demo_command_with_defaults_finishes_quickly(tmp_path: Path) -> None:
+    env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "outputs identical with and without the cache: yes" in proc.stdout
+    # The embedded default's memory tier is scaled to the tiny model, so chunks spill to disk and hit there.
+    assert "tiers: cpu (cpu, 1 MiB), disk (disk, 8 GiB)" in proc.stdout
+    assert re.search(r"cpu +[1-9]\d*\.\d%", proc.stdout) and re.search(r"disk +[1-9]\d*\.\d%", proc.stdout)
     assert "it/s" in proc.stderr or "turn/s" in proc.stderr  # the progress bar

@@ -226,20 +226,31 @@ class TieredStore:
         return [next(written) if v is not None else False for v in values]
 
     async def execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor]) -> dict[str, int]:
-        """Run store plans in order, completing each in the directory; return stored counts per tier."""
+        """Run store plans in order, completing each in the directory; return stored counts per tier.
+
+        Every plan runs: one that raises (a failing medium, a failed ``source`` move) is logged and completed
+        as failed, so its keys never stay PENDING, and the next plans still run."""
         stored: dict[str, int] = {}
         for plan in plans:
-            tier = self._tiers[plan.tier]
-            if plan.evicted:
-                await tier.delete(plan.evicted)
-                tier.stats().evictions += len(plan.evicted)
-            if plan.source is not None:
-                ok = await self.move(plan.source, plan.tier, plan.store)
-            else:
-                ok = await self.write(plan.tier, [(k, payloads[k]) for k in plan.store])
+            try:
+                ok = await self._run_plan(plan, payloads)
+            except Exception:
+                logger.exception("store plan for tier %s failed (%d keys)", plan.tier, len(plan.store))
+                self.directory.complete_store(plan.tier, plan.store, False)
+                continue
             self.directory.complete_store(plan.tier, plan.store, ok)
             stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)
         return stored
+
+    async def _run_plan(self, plan: StorePlan, payloads: Mapping[Key, torch.Tensor]) -> list[bool]:
+        """Drop ``plan.evicted`` from its tier, then write (or move from ``plan.source``) ``plan.store``."""
+        tier = self._tiers[plan.tier]
+        if plan.evicted:
+            await tier.delete(plan.evicted)
+            tier.stats().evictions += len(plan.evicted)
+        if plan.source is not None:
+            return await self.move(plan.source, plan.tier, plan.store)
+        return await self.write(plan.tier, [(k, payloads[k]) for k in plan.store])
 
 
 def directory_for(cfg: KvtierConfig, tiers: Sequence[Tier]) -> Directory:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvtier.config import load_config
-from kvtier.keys import Namespace, chunk_keys
+from kvtier.config import CpuTierConfig, KvtierConfig, load_config
+from kvtier.keys import Key, Namespace, chunk_keys
 from kvtier.store import TieredStore
+from kvtier.tiers.cpu import CpuTier
 
 CHUNK = 16
 SHAPE = (2, 2, CHUNK, 2, 8)  # layers, K/V, tokens, heads, head size
@@ -18,7 +20,7 @@ NBYTES = 2 * 2 * CHUNK * 2 * 8 * 4
 
 
 def make_cfg(tmp_path: Path, cpu_chunks: int, disk_chunks: int, write: str = "write_back",
-             eviction: str = "lru", promote: bool = True):  # type: ignore[no-untyped-def]
+             eviction: str = "lru", promote: bool = True) -> KvtierConfig:
     return load_config({
         "chunk_size": CHUNK,
         "tiers": [
@@ -35,7 +37,7 @@ def chunks(n: int, seed: int = 0) -> list[tuple[bytes, torch.Tensor]]:
     return [(k, torch.randn(SHAPE, generator=gen)) for k in keys]
 
 
-async def started(cfg) -> TieredStore:  # type: ignore[no-untyped-def]
+async def started(cfg: KvtierConfig) -> TieredStore:
     store = TieredStore.from_config(cfg)
     await store.start()
     return store
@@ -154,8 +156,41 @@ async def test_read_into_and_borrow_equal_read(tmp_path: Path, tier: str) -> Non
     # a borrowed record stays intact while its key is deleted and its space written again
     assert await store.delete(tier, keys[:1]) == 1
     assert await store.write(tier, chunks(3, seed=100)) == [True] * 3
-    assert torch.equal(borrowed[0], items[0][1])
+    assert borrowed[0] is not None and torch.equal(borrowed[0], items[0][1])
     await store.release(tier, keys)
     if tier == "cpu":
         assert store.tier("cpu").pool.pinned() == 0  # type: ignore[attr-defined]
+    await store.close()
+
+
+class BrokenPutTier(CpuTier):
+    """Test double of a failing medium: every put raises."""
+
+    async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        raise OSError("medium failed")
+
+
+async def test_failing_plan_completes_and_later_plans_run() -> None:
+    cpu = CpuTier(CpuTierConfig(name="cpu", capacity=2 * NBYTES, slot_bytes=NBYTES))
+    broken = BrokenPutTier(CpuTierConfig(name="broken", capacity=8 * NBYTES, slot_bytes=NBYTES))
+    store = TieredStore([cpu, broken])
+    await store.start()
+    first, second = chunks(2), chunks(2, seed=100)
+    assert await store.put(first) == 2
+    # cpu is full: the plans demote ``first`` to the broken tier (raises), then store ``second`` in cpu
+    assert await store.put(second) == 2
+    assert store.directory.used_bytes("broken") == 0
+    assert store.directory.used_bytes("cpu") == cpu.used_bytes() == 2 * NBYTES
+    keys = [k for k, _ in second]
+    assert store.lookup_local(keys).tiers == ("cpu", "cpu")
+    assert store.lookup_local([k for k, _ in first]).hits == 0
+    # a direct plan into the broken tier raises inside execute: completed as failed, the next plan still runs
+    third = chunks(1, seed=200)
+    plans = [*store.directory.prepare_store("broken", [(third[0][0], NBYTES, None)]),
+             *store.directory.prepare_store("cpu", [(third[0][0], NBYTES, None)])]
+    assert [p.tier for p in plans] == ["broken", "cpu"]
+    assert await store.execute(plans, dict(third)) == {"cpu": 1}
+    assert store.directory.used_bytes("broken") == 0 and not store.directory.contains("broken", third[0][0])
+    got = await store.get([third[0][0]])
+    assert got[0] is not None and torch.equal(got[0], third[0][1])
     await store.close()

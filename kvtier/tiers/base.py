@@ -10,6 +10,8 @@ tensor of the same dtype, shape and contents). Rules every tier follows:
 * A miss, an unreachable medium, a timeout or a corrupt record is ``None`` from ``get`` / ``False`` from
   ``contains``, never an exception; a corrupt record is also deleted and counted in ``stats().corrupt``.
 * ``put`` never exceeds ``capacity_bytes``: an item that does not fit is refused (``False``), not stored.
+  Shared tiers are the exception: Redis memory belongs to the server (``maxmemory`` + ``allkeys-lru``), so
+  the Redis tier only reports the bytes it wrote and refuses just a record larger than its whole capacity.
   Choosing victims is the control plane's job (``kvtier.directory``); the tier only stores and deletes.
 * ``get_into`` copies records into caller buffers instead of returning new tensors (default: ``get`` + copy;
   memory tiers copy straight from their pool). Memory tiers also lend pinned zero-copy views (``Borrowing``).

@@ -22,7 +22,9 @@ Corrupt or foreign values (another key, another namespace, a bad checksum or sig
 counted in ``stats().corrupt``.
 
 Capacity: kvtier does not own Redis memory. ``used_bytes`` is what this process wrote and did not delete
-(TTL expiry and other writers are invisible to it). Bound the server instead::
+(TTL expiry and other writers are invisible to it), a report only: puts are not refused because of it, and
+may take it above ``capacity``; only a single record larger than ``capacity`` is refused. Bound the server
+instead::
 
     maxmemory 64gb
     maxmemory-policy allkeys-lru   # evict least recently used records when full; never refuse writes
@@ -260,11 +262,15 @@ class RedisTier(Tier):
         return parts, sum(memoryview(p).nbytes for p in parts)
 
     def _reserve(self, key: Key, size: int) -> bool:
-        """Count ``size`` bytes against the capacity before writing; ``_commit`` settles it."""
-        new_used = self._used - self._sizes.get(key, 0) + size
-        if new_used > self.capacity_bytes:
+        """Count ``size`` bytes in ``used_bytes`` before writing; ``_commit`` settles it.
+
+        The total never refuses a put: the server's ``maxmemory`` policy governs Redis memory, and TTL expiry
+        or other writers free space this counter cannot see, so refusing on it would stop caching for good.
+        Only a single record larger than ``capacity`` is refused (a tier never takes an item above its
+        capacity), counted in ``puts_refused``."""
+        if size > self.capacity_bytes:
             return False
-        self._used = new_used
+        self._used += size - self._sizes.get(key, 0)
         self._sizes[key] = size
         return True
 

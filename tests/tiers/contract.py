@@ -9,6 +9,9 @@ so that ``close`` followed by a new ``build`` re-opens it. Class attributes desc
 * ``exact_size``: ``stored_size(n)`` is exactly what an uncompressed record of n bytes costs, so refusals
   are predictable;
 * ``may_lose``: records may vanish on their own (TTL, server-side eviction): a get may then be None.
+* ``enforces_capacity``: ``put`` refuses what would take ``used_bytes`` above ``capacity``. False for a tier
+  whose medium governs its own memory (redis: ``used_bytes`` is a report; only a single record larger than
+  ``capacity`` is refused).
 
 Tiers must make ``close`` idempotent. ``bytes_in`` / ``bytes_out`` may count payload bytes or stored bytes.
 """
@@ -63,6 +66,7 @@ class TierContract:
     persistent: ClassVar[bool] = False
     exact_size: ClassVar[bool] = True
     may_lose: ClassVar[bool] = False
+    enforces_capacity: ClassVar[bool] = True
 
     async def build(self, env: Any, capacity: int, name: str) -> Tier:
         raise NotImplementedError("subclasses build and start their tier")
@@ -177,10 +181,12 @@ class TierContract:
         results = []
         for i in range(6):
             results += await tier.put([(key(i), rand((16384,), seed=i))])
-            assert tier.used_bytes() <= capacity
-        if self.exact_size:
+            assert tier.used_bytes() <= capacity or not self.enforces_capacity
+        if not self.enforces_capacity:
+            assert results == [True] * 6 and tier.stats().puts_refused == 0
+        elif self.exact_size:
             assert results == [True] * 4 + [False] * 2
-        assert tier.stats().puts_refused == results.count(False) >= 1
+        assert tier.stats().puts_refused == results.count(False) >= int(self.enforces_capacity)
         big = rand((capacity // 4 + 1024,))
         assert await tier.put([(key(100), big)]) == [False]
         assert tier.stats().puts_refused == results.count(False) + 1
@@ -188,14 +194,18 @@ class TierContract:
         stored = [i for i, ok in enumerate(results) if ok]
         assert await tier.delete([key(stored[0])]) == 1
         assert await tier.put([(key(50), rand((16384,), seed=50))]) == [True]
-        assert tier.used_bytes() <= capacity
+        assert tier.used_bytes() <= capacity or not self.enforces_capacity
 
     async def test_batch_put_refuses_what_does_not_fit(self, make: Factory) -> None:
         t = rand((16384,))
         cost = await self.cost(make, t)
         tier = await make(3 * cost, name="batch")
         results = await tier.put([(key(i), rand((16384,), seed=i)) for i in range(5)])
-        assert len(results) == 5 and tier.used_bytes() <= 3 * cost
+        assert len(results) == 5
+        if not self.enforces_capacity:
+            assert results == [True] * 5 and tier.stats().puts_refused == 0
+            return
+        assert tier.used_bytes() <= 3 * cost
         if self.exact_size:
             assert results.count(True) == 3
         assert tier.stats().puts_refused == results.count(False) >= 2
@@ -278,7 +288,7 @@ class TierContract:
         try:
             for op, k, size, seed in ops:
                 await self._apply(tier, model, op, key(k), rand(sizes[size], DTYPES[seed % 3], seed))
-                assert tier.used_bytes() <= tier.capacity_bytes
+                assert tier.used_bytes() <= tier.capacity_bytes or not self.enforces_capacity
                 if self.exact_size:  # no leaked or double-counted bytes
                     assert tier.used_bytes() == sum(tier.stored_size(nbytes(v)) for v in model.values())
         finally:
@@ -290,6 +300,8 @@ class TierContract:
             old = model.get(k)
             fits = (tier.used_bytes() - (tier.stored_size(nbytes(old)) if old is not None else 0)
                     + tier.stored_size(nbytes(t)) <= tier.capacity_bytes)
+            if not self.enforces_capacity:
+                fits = tier.stored_size(nbytes(t)) <= tier.capacity_bytes
             [ok] = await tier.put([(k, t)])
             if self.exact_size:
                 assert ok == fits

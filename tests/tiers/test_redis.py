@@ -149,7 +149,9 @@ async def test_two_namespaces_on_one_redis_never_see_each_other(make: Make, raw:
     assert_same((await tier_a.get([NS_A + chunk]))[0], ta)
     assert_same((await tier_b.get([NS_B + chunk]))[0], tb)
     # A's record copied under B's name is refused: the record names its own namespace and key.
-    raw.set(tier_b.redis_key(NS_B + chunk), raw.get(tier_a.redis_key(NS_A + chunk)))
+    copied = raw.get(tier_a.redis_key(NS_A + chunk))
+    assert isinstance(copied, bytes)
+    raw.set(tier_b.redis_key(NS_B + chunk), copied)
     assert await tier_b.get([NS_B + chunk]) == [None]
     assert tier_b.stats().corrupt == 1
 
@@ -197,12 +199,14 @@ async def test_read_buffers_are_recycled_only_when_released(make: Make) -> None:
     a, b = rand((100_000,), seed=1), rand((100_000,), seed=2)
     await tier.put([(k(1), a), (k(2), b)])
     [first] = await tier.get([k(1)])
+    assert first is not None
     view = first[10:20]
     del first
     gc.collect()
     [second] = await tier.get([k(2)])
     assert tier.buffers.reused == 0  # ``view`` still holds the first buffer
-    assert_same(second, b) and torch.equal(view, a[10:20])
+    assert_same(second, b)
+    assert torch.equal(view, a[10:20])
     del view, second
     gc.collect()
     [third] = await tier.get([k(1)])
@@ -309,3 +313,17 @@ async def test_a_small_reader_reads_records_bigger_than_its_own_capacity(make: M
     await writer.put([(k(1), t)])
     assert_same((await reader.get([k(1)]))[0], t)  # used bytes count what a process writes, not what it reads
     assert reader.stats().corrupt == 0 and reader.used_bytes() == 0
+
+
+async def test_writing_more_than_capacity_keeps_caching(make: Make) -> None:
+    # Redis memory is the server's (maxmemory + allkeys-lru): the bytes this process wrote are a report, not a limit
+    tier = await make(capacity=64 * 1024)
+    items = [(k(i), rand((8192,), seed=i)) for i in range(10)]  # 32 KiB each, 320 KiB in all
+    for item in items:
+        assert await tier.put([item]) == [True]
+    assert tier.used_bytes() == sum(tier.stored_size(t.nbytes) for _, t in items) > tier.capacity_bytes
+    assert tier.stats().puts_refused == 0
+    for (_, want), got in zip(items, await tier.get([key for key, _ in items]), strict=True):
+        assert_same(got, want)
+    assert await tier.put([(k(99), rand((20000,)))]) == [False]  # one record above capacity: still refused
+    assert tier.stats().puts_refused == 1

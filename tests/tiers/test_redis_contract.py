@@ -16,6 +16,7 @@ from kvtier.tiers.base import Tier
 
 class _RedisContract(TierContract):
     persistent: ClassVar[bool] = True
+    enforces_capacity: ClassVar[bool] = False  # the server's maxmemory governs Redis memory
 
     async def build(self, env: Any, capacity: int, name: str) -> Tier:
         url, prefix = env

@@ -60,7 +60,8 @@ def namespaces(ident: Identity, kcc: KVCacheConfig, chunk_size: int, *, rank: in
 
 
 def request_extra(request: Any) -> bytes:
-    """Bytes that set a request's KV apart beyond its tokens: cache salt and LoRA adapter."""
+    """Bytes that set a request's KV apart beyond its tokens: cache salt, LoRA adapter and every multimodal
+    input (identifier and placeholder position): placeholder tokens alone do not identify an image."""
     parts: list[str] = []
     salt = getattr(request, "cache_salt", None)
     if salt:
@@ -68,7 +69,21 @@ def request_extra(request: Any) -> bytes:
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         parts.append(f"lora={getattr(lora, 'lora_name', None) or lora}")
+    parts.extend(_mm_part(feature) for feature in getattr(request, "mm_features", None) or ())
     return "\x00".join(parts).encode()
+
+
+def _mm_part(feature: Any) -> str:
+    """One multimodal feature as text: its identifier (vLLM: ``identifier``, older ``mm_hash``) and the
+    offset/length of its placeholder tokens."""
+    ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+    pos = getattr(feature, "mm_position", None)
+    return f"mm={ident}@{getattr(pos, 'offset', None)}+{getattr(pos, 'length', None)}"
+
+
+def has_prompt_embeds(request: Any) -> bool:
+    """Whether the request carries prompt embeddings: its KV is not identified by its token ids."""
+    return getattr(request, "prompt_embeds", None) is not None
 
 
 def request_keys(spaces: Sequence[bytes], token_ids: Sequence[int], chunk_size: int,

@@ -108,8 +108,12 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         self._factory = factory or DEFAULT_FACTORY
         self._supports_hma = hma_check
         self._connectors: list[Any] = []
-        for sub in child_configs(vllm_config):
-            self._connectors.append(self._factory.create(sub, role, kv_cache_config))
+        try:
+            for sub in child_configs(vllm_config):
+                self._connectors.append(self._factory.create(sub, role, kv_cache_config))
+        except BaseException:
+            self._shutdown_quietly()  # the children built so far hold threads, files, connections
+            raise
         self._check_hma(kv_cache_config)
         self._requests_to_connector: dict[str, int] = {}
         self._extra_async_saves: dict[str, int] = {}
@@ -283,6 +287,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
 
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests_to_connector.pop(request.request_id, None)  # a previous lookup's choice is stale
         result: tuple[int | None, bool] = (0, False)
         for i, child in enumerate(self._connectors):
             tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)

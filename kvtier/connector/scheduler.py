@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, TierKind, WritePolicy
 from kvtier.connector.hits import GroupNeed, best_hit, chunk_alignment, hit_limit
-from kvtier.connector.keying import request_extra, request_keys
+from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.directory import Directory, StorePlan
 from kvtier.keys import Key
@@ -54,6 +54,7 @@ class _ReqState:
     block_ids: list[list[int]] = field(default_factory=list)
     saved_chunks: int = 0
     unfilled: list[range] = field(default_factory=list)  # per group: chunks a load left unwritten (never saved)
+    opaque: bool = False  # prompt embeds: token ids do not identify the KV, so no hits and no saves
 
 
 def _tokens(source: Any) -> Sequence[int]:
@@ -91,7 +92,8 @@ class SchedulerHalf:
         """Per-request state; chunk keys are computed lazily and kept (lookups repeat every step)."""
         state = self._requests.get(req_id)
         if state is None:
-            state = _ReqState(request, request_extra(request), [[] for _ in self._spaces])
+            state = _ReqState(request, request_extra(request), [[] for _ in self._spaces],
+                              opaque=has_prompt_embeds(request))
             self._requests[req_id] = state
         return state
 
@@ -108,6 +110,8 @@ class SchedulerHalf:
         if any(need.kind is GroupKind.MAMBA for need in self._needs):
             return 0, False  # Mamba state is not stored yet: no hit rather than a wrong one
         state = self._state(request.request_id, request)
+        if state.opaque:
+            return 0, False
         size = self.cfg.chunk_size
         all_keys = self._keys(state, hit_limit(len(_tokens(request)), size))
         limit = min(len(k) for k in all_keys) if all_keys else 0
@@ -226,7 +230,12 @@ class SchedulerHalf:
         meta = KVTierMetadata(loads=self._step_loads)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self._requests:
+                # Never looked up: the engine's request (with its cache salt) was not seen, and vLLM's
+                # NewRequestData carries no salt, so keys could miss the tenant: plan no saves for it.
+                self._state(new.req_id, new).opaque = True
             state = self._state(new.req_id, new)
+            state.opaque = state.opaque or has_prompt_embeds(new)
             state.block_ids = [list(ids) for ids in new.block_ids]
             self._plan_saves(new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -250,6 +259,8 @@ class SchedulerHalf:
         return meta
 
     def _plan_saves(self, req_id: str, state: _ReqState, computed: int, meta: KVTierMetadata) -> None:
+        if state.opaque:
+            return
         size = self.cfg.chunk_size
         full = min(computed, len(_tokens(state.source))) // size
         if full <= state.saved_chunks:

@@ -13,6 +13,9 @@ Lifecycle:
     get_block_ids_with_load_errors()      blocks whose chunk could not be read (miss, corrupt, dead tier)
     handle_preemptions()                  waits for every pending save
     stats() / close()
+
+Every wait is bounded (``wait_timeout_s``, async loads ``async_load_timeout_s``): a stuck medium fails the work
+(loads: their blocks become load errors; saves: dropped) and is logged, never hangs the engine.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.connector.base import KVConnectorStats
 from kvtier.connector.keying import Identity, namespaces, rank_key
@@ -43,6 +46,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Reads = list["torch.Tensor | None"]
+T = TypeVar("T")
+
+WAIT_TIMEOUT_S = 5.0  # longest blocking wait of the engine's thread on the I/O loop (loads, releases, saves)
+ASYNC_LOAD_TIMEOUT_S = 30.0  # an asynchronous load that takes longer fails (its blocks become load errors)
+CANCEL_GRACE_S = 1.0  # extra wait for a timed-out coroutine to unwind (release what it borrowed)
 
 
 def derive_config(kv_caches: Mapping[str, torch.Tensor]) -> KVCacheConfig:
@@ -117,6 +125,8 @@ class WorkerHalf:
         self._errors: set[int] = set()
         self._save_lock = asyncio.Lock()
         self._stats = _Stats()
+        self.wait_timeout_s = WAIT_TIMEOUT_S
+        self.async_load_timeout_s = ASYNC_LOAD_TIMEOUT_S
 
     # ---- setup -----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -172,15 +182,16 @@ class WorkerHalf:
             if spec.is_async:
                 by_req.setdefault(spec.req_id, []).append(spec)
         for req_id, specs in by_req.items():
-            self._recving[req_id] = (specs, self._loop.submit(self._read_all(specs)))
+            read = asyncio.wait_for(self._read_all(specs), self.async_load_timeout_s)
+            self._recving[req_id] = (specs, self._loop.submit(read))
 
     def _load_now(self, specs: Sequence[LoadSpec]) -> None:
         """Synchronous loads, one copy per byte: memory tiers lend pinned views that are scattered straight into
         the blocks, then released (after the device has consumed them)."""
         borrowed: list[tuple[str, list[Key]]] = []
         try:
-            results = self._loop.run(self._borrow_all(specs, borrowed))
-        except Exception as exc:  # a dead tier fails the load, not the engine
+            results = self._run_bounded(self._borrow_all(specs, borrowed))
+        except Exception as exc:  # a dead or stuck tier fails the load, not the engine
             logger.warning("synchronous load failed: %r", exc)
             results = [[None] * len(s.keys) for s in specs]
         try:
@@ -188,7 +199,20 @@ class WorkerHalf:
             self._sync_devices()
         finally:
             if borrowed:
-                self._loop.run(self._release_all(borrowed))
+                try:
+                    self._run_bounded(self._release_all(borrowed))
+                except Exception as exc:  # a release that fails must not replace the load's outcome
+                    logger.warning("releasing %d borrowed batch(es) failed: %r", len(borrowed), exc)
+
+    def _run_bounded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the I/O loop for at most ``wait_timeout_s`` (it is cancelled then, and
+        ``TimeoutError`` raised)."""
+        future = self._loop.submit(asyncio.wait_for(coro, self.wait_timeout_s))
+        try:
+            return future.result(self.wait_timeout_s + CANCEL_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"I/O did not finish within {self.wait_timeout_s + CANCEL_GRACE_S:.1f}s") from None
 
     def _sync_devices(self) -> None:
         """Wait for the copies queued on the layers' CUDA devices (they may still read borrowed host views)."""
@@ -264,7 +288,7 @@ class WorkerHalf:
             plans = [self._plan(spec.group, p) for p in spec.plans]
             future = self._loop.submit(self._execute(plans, items))
             if self._memory_only(plans) and not self._saving():
-                future.result()
+                self._bound_saves([future])
             self._saves.setdefault(spec.req_id, []).append(future)
 
     def _memory_only(self, plans: Sequence[StorePlan]) -> bool:
@@ -307,8 +331,16 @@ class WorkerHalf:
         """Wait until every pending save is done (the preempted blocks are about to be reused)."""
         if self._meta is not None and self._meta.saves:
             self.wait_for_save()
-        pending = [f for futures in self._saves.values() for f in futures]
-        concurrent.futures.wait(pending)
+        self._bound_saves([f for futures in self._saves.values() for f in futures])
+
+    def _bound_saves(self, futures: Sequence[concurrent.futures.Future[None]]) -> None:
+        """Wait at most ``wait_timeout_s`` for ``futures``; saves still running then are cancelled (dropped)."""
+        _, late = concurrent.futures.wait(futures, timeout=self.wait_timeout_s)
+        if late:
+            logger.warning("%d save(s) did not finish within %.1fs: dropped", len(late), self.wait_timeout_s)
+            self._stats.add(save_timeouts=len(late))
+            for future in late:
+                future.cancel()
 
     # ---- reports ---------------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -12,7 +12,7 @@ import fixtures_connectors as fx
 import pytest
 
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole
-from kvtier.connector.factory import create_connector
+from kvtier.connector.factory import BUILTIN_CONNECTORS, ConnectorFactory, create_connector
 from kvtier.connector.multi import MultiConnector, MultiConnectorMetadata, MultiConnectorStats
 from kvtier.connector.types import (
     EngineConfig,
@@ -234,3 +234,45 @@ def test_stats_and_metadata_shapes(tmp_path: Path) -> None:
         worker.bind_connector_metadata(fx.StorageMetadata())
     assert worker.prefer_cross_layer_blocks is False
     assert worker.reset_cache() is True and worker.get_finished_count() is None
+
+
+class RecordingFactory(ConnectorFactory):
+    """The default factory, keeping every connector it built."""
+
+    def __init__(self) -> None:
+        super().__init__(BUILTIN_CONNECTORS, bases=(KVConnectorBase,))
+        self.built: list[Any] = []
+
+    def create(self, config: Any, role: Any, kv_cache_config: Any = None) -> Any:
+        made = super().create(config, role, kv_cache_config)
+        self.built.append(made)
+        return made
+
+
+def test_a_failing_child_constructor_shuts_down_the_built_ones(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    factory = RecordingFactory()
+    cfg = multi_config(storage(tmp_path / "a"), storage(tmp_path / "b", fail_shutdown=True), child("Nope"))
+    with caplog.at_level(logging.ERROR, logger="kvtier.connector.multi"), \
+            pytest.raises(ConnectorError, match="not found in module"):
+        MultiConnector(cfg, KVConnectorRole.WORKER, KCC, factory=factory)
+    assert [c.shut_down for c in factory.built] == [True, True]
+    assert any("shutdown of connector StorageConnector failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_later_miss_clears_the_loading_child(tmp_path: Path) -> None:
+    sched = create_connector(multi_config(storage(tmp_path / "a"), storage(tmp_path / "b")),
+                             KVConnectorRole.SCHEDULER, KCC)
+    a, _ = sched.sub_connectors
+    (tmp_path / "a").mkdir(exist_ok=True)
+    for i in range(4):
+        block_file(tmp_path / "a", PROMPT, i).write_text(",".join(map(str, PROMPT[i * 4:(i + 1) * 4])))
+    req = Request("r", PROMPT)
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    assert sched.loading_connector("r") is a
+    for f in (tmp_path / "a").iterdir():  # evicted before the request could be allocated
+        f.unlink()
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.loading_connector("r") is None
+    sched.update_state_after_alloc(req, blocks_for(1), 0)
+    assert a.calls[-1] == ("update_state_after_alloc", "r", ([],), 0)

@@ -4,8 +4,10 @@ flush, layouts, pickling of metadata and stats. Real cpu and disk tiers; the sch
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,10 +17,18 @@ import torch
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, WritePolicy
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces, request_keys
+from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.connector.tiered import KVTierConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
+from kvtier.connector.worker import WorkerHalf
+from kvtier.directory import StorePlan
 from kvtier.errors import ConnectorError
+from kvtier.keys import Key
 from kvtier.layout import simple_config
+from kvtier.runtime import LoopThread
+from kvtier.store import TieredStore
+from kvtier.tiers.cpu import CpuTier
+from kvtier.transfer import KVLayout, gather
 
 C, BS, NB = 8, 4, 48
 KCC = simple_config(2, 2, 4, dtype="bfloat16", block_size=BS, num_blocks=NB)
@@ -276,3 +286,88 @@ def test_cpu_load_scatters_from_borrowed_views_and_releases_them(tmp_path: Path)
         assert cpu.pool.pinned() == 0  # type: ignore[attr-defined]  # every borrowed view was released
     finally:
         eng.close()
+
+
+class StuckCpuTier(CpuTier):
+    """A cpu tier whose medium hangs: reads and writes wait on an event nobody sets."""
+
+    def __init__(self, section: CpuTierConfig) -> None:
+        super().__init__(section)
+        self.never = asyncio.Event()
+
+    async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        await self.never.wait()
+        return [None] * len(keys)
+
+    async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        await self.never.wait()
+        return [False] * len(items)
+
+
+class BrokenReleaseCpuTier(CpuTier):
+    """A cpu tier whose ``release`` raises."""
+
+    def release(self, keys: Sequence[Key]) -> None:
+        super().release(keys)
+        raise RuntimeError("release broke")
+
+
+BOUND = 0.3
+CHUNK_KEYS = tuple(bytes([i]) * 32 for i in range(1, 3))
+CHUNK_BLOCKS = ((21, 22), (23, 24))
+
+
+def bounded_worker(tier: CpuTier, kv: dict[str, torch.Tensor]) -> tuple[WorkerHalf, LoopThread]:
+    loop = LoopThread()
+    store = TieredStore([tier])
+    loop.run(store.start())
+    worker = WorkerHalf(KCC, store, loop, chunk_size=C)
+    worker.register_kv_caches(kv)
+    worker.wait_timeout_s = worker.async_load_timeout_s = BOUND
+    return worker, loop
+
+
+@pytest.mark.timeout(20)  # without the bounds this test hangs: fail it instead
+def test_stuck_tier_fails_loads_and_drops_saves_within_the_bound() -> None:
+    tier = StuckCpuTier(CpuTierConfig("cpu", 1 << 20))
+    worker, loop = bounded_worker(tier, paged(3))
+    try:
+        t0 = time.monotonic()
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
+        assert time.monotonic() - t0 < BOUND + 1.5
+        assert worker.get_block_ids_with_load_errors() == {21, 22, 23, 24}
+        assert tier.pool.pinned() == 0  # the cancelled borrow released its pins
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("a", 0, "cpu", CHUNK_KEYS[:1], CHUNK_BLOCKS[:1], True)]))
+        deadline = time.monotonic() + BOUND + 1.5
+        recving: set[str] = set()
+        while not recving and time.monotonic() < deadline:
+            recving = worker.get_finished(set())[1] or set()
+            time.sleep(0.02)
+        assert recving == {"a"}
+        assert worker.get_block_ids_with_load_errors() == {21, 22}
+        save = SaveSpec("s", 0, CHUNK_KEYS, ((1, 2), (3, 4)), (StorePlan("cpu", CHUNK_KEYS),))
+        worker.start_load_kv(KVTierMetadata(saves=[save]))
+        t0 = time.monotonic()
+        worker.handle_preemptions()  # flushes the step's save: a memory-only save is awaited, bounded
+        assert time.monotonic() - t0 < 2 * BOUND + 1.5
+        assert worker.get_finished({"s"})[0] == {"s"}  # dropped, so nothing keeps the blocks
+    finally:
+        worker.close()
+        loop.close()
+
+
+def test_a_failing_release_does_not_reach_the_engine() -> None:
+    kv = paged(5)
+    tier = BrokenReleaseCpuTier(CpuTierConfig("cpu", 1 << 20))
+    worker, loop = bounded_worker(tier, kv)
+    try:
+        layers = [kv[n] for n in KCC.kv_cache_groups[0].layer_names]
+        data = gather(layers, [(1, 2), (3, 4)], KVLayout.KV_FIRST)
+        loop.run(tier.put([(k, data[i].contiguous()) for i, k in enumerate(CHUNK_KEYS)]))
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
+        assert worker.get_block_ids_with_load_errors() == set()
+        for n in kv:
+            assert torch.equal(kv[n][:, [21, 22, 23, 24]], kv[n][:, [1, 2, 3, 4]])
+    finally:
+        worker.close()
+        loop.close()

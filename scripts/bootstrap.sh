@@ -9,10 +9,11 @@ WITH_VLLM=0
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
-# CPU torch first: a bare 'torch' requirement would pull a multi-GB CUDA build.
+# Torch first, pinned: a bare 'torch' requirement could pull a newer multi-GB CUDA build. Where a CPU wheel of
+# 2.13.0 is on pip's find-links (as on the CI machines) pip takes it; elsewhere point PIP_EXTRA_INDEX_URL at a
+# CPU wheel index to avoid the CUDA build.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  $PIP install -q 'torch==2.13.0' || $PIP install -q 'torch==2.13.0+cpu' \
-    --extra-index-url https://download.pytorch.org/whl/cpu
+  $PIP install -q 'torch==2.13.0'
 fi
 echo 'torch==2.13.0' > .venv/torch-pin.txt
 if [ "$WITH_VLLM" = 1 ] && ! .venv/bin/python -c "import vllm" 2>/dev/null; then

@@ -8,6 +8,9 @@ at a fraction of memory speed):
 * every figure is a :class:`Spread` (median, quartiles, min, max over the repeats), and a ratio is taken
   between figures of the same run (:func:`paired_ratio`);
 * cold file reads drop the page cache of exactly the files read (:func:`drop_page_cache`).
+* no case inherits another's worker threads: ``kvtier bench throughput`` shuts each case's event loop and its
+  executor down before the next (a live executor thread that ran torch ops keeps an OpenMP team, and
+  OpenMP then stops spin-waiting when threads outnumber cores, slowing every later small parallel op).
 
 The machine description (:func:`machine_info`) and JSON writing (:func:`write_json`) are here too, so every
 result file says where it was measured. :func:`redis_server` starts a throw-away ``redis-server`` on a free

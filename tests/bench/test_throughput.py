@@ -139,3 +139,21 @@ def test_private_redis_server_answers_and_is_killed() -> None:
         client.close()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+
+
+def test_fresh_loop_ends_the_previous_cases_worker_threads() -> None:
+    """A case's ``to_thread`` workers (which keep their own OpenMP team) must not outlive the case."""
+    import asyncio
+    import threading
+
+    run = throughput.Runner(throughput.QUICK)
+    try:
+        before = threading.active_count()
+        worker = run.call(asyncio.to_thread(threading.get_ident))
+        assert worker in {t.ident for t in threading.enumerate()}
+        assert threading.active_count() > before
+        run.fresh_loop()
+        assert worker not in {t.ident for t in threading.enumerate()}
+        assert run.call(asyncio.sleep(0, result=7)) == 7  # the new loop runs
+    finally:
+        run.close()

@@ -155,6 +155,22 @@ def write_json(path: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
     return out
 
 
+def save_results(args: Any, benchmark: str, body: Mapping[str, Any],
+                 plot: Callable[[Path], Path | None] | None = None) -> Path:
+    """Write a benchmark's JSON (``args.json``, else ``benchmarks/results/<benchmark>[-quick].json``) with the
+    machine description, then its PNG beside it (``args.png`` overrides) unless ``args.no_plot``; print both."""
+    quick = bool(getattr(args, "quick", False))
+    name = f"{benchmark}-quick" if quick else benchmark
+    path = write_json(getattr(args, "json", None) or RESULTS_DIR / f"{name}.json",
+                      {"benchmark": benchmark, "quick": quick, "machine": machine_info(), **body})
+    print(f"wrote {path}")
+    if plot is not None and not getattr(args, "no_plot", False):
+        png = plot(Path(getattr(args, "png", None) or path.with_suffix(".png")))
+        if png is not None:
+            print(f"wrote {png}")
+    return path
+
+
 def format_size(nbytes: int) -> str:
     """``33554432`` -> ``32MiB``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

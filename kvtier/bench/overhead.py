@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.measure import RESULTS_DIR, Spread, interleave, machine_info, write_json
+from kvtier.bench.measure import Spread, interleave, save_results
 
 HELP = "scheduler-side cost per request with no reuse (hashing + lookup), beside prefill time"
 CHUNK = 256
@@ -220,8 +220,5 @@ def run(args: argparse.Namespace) -> int:
         s = replace(s, gpu_prefill_tps=args.gpu_prefill_tps)
     results = measure(s)
     print(table(results))
-    path = args.json or RESULTS_DIR / ("overhead-quick.json" if args.quick else "overhead.json")
-    write_json(path, {"benchmark": "overhead", "quick": bool(args.quick), "machine": machine_info(),
-                      "settings": vars(s), "results": results})
-    print(f"wrote {path}")
+    save_results(args, "overhead", {"settings": vars(s), "results": results})
     return 0

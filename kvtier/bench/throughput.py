@@ -34,18 +34,16 @@ from typing import Any, TypeVar
 import torch
 
 from kvtier.bench.measure import (
-    RESULTS_DIR,
     Spread,
     format_size,
     gbps,
     interleave,
-    machine_info,
     paired_ratio,
     pretouch,
     same_bytes,
+    save_results,
     timed,
     touched,
-    write_json,
 )
 from kvtier.config_parse import parse_size
 
@@ -368,14 +366,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     results = run_all(settings)
     name = "throughput-quick" if args.quick else "throughput"
-    json_path = args.json or RESULTS_DIR / f"{name}.json"
-    data = {"benchmark": "throughput", "quick": bool(args.quick), "machine": machine_info(),
-            "settings": {k: v for k, v in vars(settings).items()}, "goals": GOALS, "results": results}
     print(table(results))
-    write_json(json_path, data)
-    print(f"wrote {json_path}")
-    if not args.no_plot:
-        png = plot(results, args.png or json_path.with_suffix(".png"), f"kvtier tier bandwidth vs raw ({name})")
-        if png is not None:
-            print(f"wrote {png}")
+    save_results(args, "throughput", {"settings": dict(vars(settings)), "goals": GOALS, "results": results},
+                 lambda png: plot(results, png, f"kvtier tier bandwidth vs raw ({name})"))
     return 0

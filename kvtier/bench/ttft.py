@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.measure import RESULTS_DIR, Spread, drop_page_cache, machine_info, redis_server, write_json
+from kvtier.bench.measure import Spread, drop_page_cache, redis_server, save_results
 
 HELP = "time to first token on the reference engine: no cache vs hits from each tier"
 ALL_MODES = ("none", "cpu", "gpu", "disk", "disk_cold", "redis")
@@ -246,13 +246,7 @@ def run(args: argparse.Namespace) -> int:
         s = replace(s, chunk_size=args.chunk_size)
     results = measure(s)
     print(table(results))
-    name = "ttft-quick" if args.quick else "ttft"
-    path = args.json or RESULTS_DIR / f"{name}.json"
-    write_json(path, {"benchmark": "ttft", "quick": bool(args.quick), "machine": machine_info(),
-                      "settings": vars(s), "model": vars(model_config(s)), "results": results})
-    print(f"wrote {path}")
-    if not args.no_plot:
-        png = plot(results, args.png or path.with_suffix(".png"), f"reference engine TTFT by cache tier ({name})")
-        if png is not None:
-            print(f"wrote {png}")
+    title = f"reference engine TTFT by cache tier ({'ttft-quick' if args.quick else 'ttft'})"
+    save_results(args, "ttft", {"settings": vars(s), "model": vars(model_config(s)), "results": results},
+                 lambda png: plot(results, png, title))
     return 0

@@ -9,7 +9,7 @@ of 4 MiB or more is stored in parts of 2-4 MiB, the head under that key and part
 cluster slot), because Redis's allocator makes values above 8 MiB cost about three times more server CPU
 (``redis_bulk`` has the details). Small commands (EXISTS, DEL, PING) and cluster routing use redis-py. Record
 values move over kvtier's own RESP connections (``redis_resp``): read straight into the result tensor (buffers
-recycled by ``redis_buffers``), written with scatter-gather, spread over ``connections`` sockets per server (per
+recycled by ``kvtier.tiers.recycle``), written with scatter-gather, spread over ``connections`` sockets per server (per
 cluster node). With ``rediss://`` everything goes through redis-py (``redis_plain``), in the same layout.
 
 Failures never reach the caller: a timeout, a connection error or a server error is a miss (``False`` /
@@ -49,8 +49,8 @@ from kvtier.keys import Key
 from kvtier.layout import dtype_name
 from kvtier.tiers import redis_plain
 from kvtier.tiers.base import Tier, TierStats, Timer
+from kvtier.tiers.recycle import Recycler
 from kvtier.tiers.redis_breaker import CircuitBreaker
-from kvtier.tiers.redis_buffers import BufferPool
 from kvtier.tiers.redis_bulk import GetResult, get_records, record_commands, set_records
 from kvtier.tiers.redis_conf import RedisEndpoint, parse_endpoint
 from kvtier.tiers.redis_resp import RespError, RespPool
@@ -80,7 +80,7 @@ class RedisTier(Tier):
         self._used = 0
         self._px = int(section.ttl * 1000) if section.ttl else None
         self._max_raw = codec.DEFAULT_MAX_RAW  # not the capacity: a small reader must not reject big records
-        self.buffers = BufferPool(buffer_pool_bytes)
+        self.buffers = Recycler(buffer_pool_bytes)
         self._fast = not self.endpoint.tls  # raw sockets cannot speak TLS; rediss:// uses redis-py only
 
     # -- lifecycle ---------------------------------------------------------------------------------------------

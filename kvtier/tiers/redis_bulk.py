@@ -130,7 +130,7 @@ async def get_records(conn: RespConnection, names: Sequence[bytes], keys: Sequen
                       hmac_key: bytes | None, alloc: Alloc = _empty) -> GetResult:
     """Read the records stored under ``names``; each must be the record of the matching entry of ``keys``.
 
-    ``alloc(n)`` gives the uint8 tensor a payload of ``n`` bytes is read into (e.g. ``BufferPool.take``).
+    ``alloc(n)`` gives the uint8 tensor a payload of ``n`` bytes is read into (e.g. ``Recycler.take``).
     """
     return await RecordReader(conn, names, keys, max_raw=max_raw, hmac_key=hmac_key, alloc=alloc).run()
 

@@ -166,10 +166,23 @@ def decode(buf: Any, *, expected_key: bytes | None, max_raw: int = DEFAULT_MAX_R
     """Validate a whole record and return its raw payload. Any mismatch raises ``CorruptRecord``."""
     view = memoryview(buf).cast("B")
     header = decode_header(view, expected_key=expected_key, max_raw=max_raw)
+    return Record(header, verify_payload(view, header, hmac_key=hmac_key))
+
+
+def verify_payload(view: memoryview, header: RecordHeader, *, hmac_key: bytes | None,
+                   payload_digest: int | None = None) -> memoryview:
+    """Check the whole record ``view`` (``header`` parsed from it) against its size, payload checksum and
+    signature; return the raw (decompressed) payload. Any mismatch raises ``CorruptRecord``.
+
+    ``payload_digest``: the xxh3-64 of the stored payload when the caller already hashed it (a reader that
+    hashes each piece right after reading it, while it is in the CPU cache); None hashes it here.
+    """
     if view.nbytes != header.total_len:
         raise CorruptRecord(f"record is {view.nbytes} bytes, header says {header.total_len}")
     stored = view[header.prefix_len:]
-    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
+    if payload_digest is None:
+        payload_digest = xxhash.xxh3_64_intdigest(stored)
+    if payload_digest != header.payload_checksum:
         raise CorruptRecord("payload checksum mismatch")
     if hmac_key is not None:
         if not header.signed:
@@ -177,7 +190,7 @@ def decode(buf: Any, *, expected_key: bytes | None, max_raw: int = DEFAULT_MAX_R
         mac = view[HEADER_SIZE:HEADER_SIZE + MAC_BYTES]
         if not hmac_mod.compare_digest(sign(hmac_key, view, stored), bytes(mac)):
             raise CorruptRecord("record signature mismatch")
-    return Record(header, _decompress(header, stored))
+    return _decompress(header, stored)
 
 
 def _decompress(header: RecordHeader, stored: memoryview) -> memoryview:

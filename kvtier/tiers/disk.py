@@ -10,9 +10,11 @@ when configured, ``os.replace``. The quota counts whole files; a put that would 
 OSError while writing (ENOSPC included) drops that write, removes the temp file and counts ``errors``.
 Reads verify the key, checksum and signature; a corrupt or truncated file is a miss, deleted and counted in
 ``corrupt``; a file removed behind our back (another process sharing the directory) is a miss. Each record is
-read or written by one blocking call in a worker thread (``asyncio.to_thread``): one thread hop per record
-instead of one per file operation (aiofiles), and the read goes straight into the returned tensor's memory,
-recycled from results the caller dropped (``kvtier.tiers.recycle``: already touched, never reused while held).
+written by one blocking call in a worker thread (``asyncio.to_thread``): one thread hop per record instead of
+one per file operation (aiofiles); reads of one ``get`` go in at most ``READ_STREAMS`` calls (runs of records of
+similar size). A read goes straight into the returned tensor's memory, recycled from results the caller
+dropped (``kvtier.tiers.recycle``: already touched, never reused while held, payload page-aligned), and hashes
+each piece as it arrives instead of in a second pass.
 The index is only touched on the event loop thread, so it needs no lock.
 """
 
@@ -25,8 +27,18 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
-from kvtier.codec import FLAG_LZ4, FLAG_ZSTD, HEADER_SIZE, MAC_BYTES, decode, encode
+from kvtier.codec import (
+    FLAG_LZ4,
+    FLAG_ZSTD,
+    HEADER_SIZE,
+    MAC_BYTES,
+    RecordHeader,
+    decode_header,
+    encode,
+    verify_payload,
+)
 from kvtier.config import DiskTierConfig, TierConfig
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.keys import Key
@@ -97,35 +109,68 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _new_buffer(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
+def _new_buffer(nbytes: int, lead: int = 0) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+READ_PIECE = 1 << 20  # read and hash this much at a time: each piece is hashed while still in the CPU cache
+READ_STREAMS = 4  # a get reads in at most this many worker-thread calls, each a run of records of similar bytes
 
 
 def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
-                alloc: Callable[[int], torch.Tensor] = _new_buffer) -> tuple[torch.Tensor, int]:
-    """Read and verify one record (blocking); return it and the file size. ``alloc(n)`` gives the ``uint8``
-    buffers read into (the result is a view of one). Raises FileNotFoundError, CorruptRecord or OSError."""
+                alloc: Callable[[int, int], np.ndarray] = _new_buffer) -> tuple[torch.Tensor, int]:
+    """Read and verify one record (blocking); return it and the file size. ``alloc(n, lead)`` gives the ``uint8``
+    array read into, byte ``lead`` (where the payload starts) page-aligned if it can; the result is a view of
+    it. The payload is hashed piece by piece as it arrives (a second pass over a record larger than the CPU
+    cache would cost as much as the read). Raises FileNotFoundError, CorruptRecord or OSError."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if not HEADER_SIZE <= size <= max_size:
             raise CorruptRecord(f"file size {size} is outside [{HEADER_SIZE}, {max_size}]")
-        buf = alloc(size)
-        view = buf.numpy().data
-        got = 0
+        buf = alloc(size, HEADER_SIZE + (MAC_BYTES if hmac_key is not None else 0))
+        view = buf.data
+        header: RecordHeader | None = None
+        hasher = xxhash.xxh3_64()
+        piece = -(-size // -(-size // READ_PIECE))  # equal pieces of at most READ_PIECE
+        got = hashed = 0  # bytes read; bytes hashed up to (from the payload start on)
         while got < size:
-            n = f.readinto(view[got:])
+            n = f.readinto(view[got:min(got + piece, size)])
             if not n:
                 raise CorruptRecord(f"file ended after {got} of {size} bytes")
             got += n
-    record = decode(view, expected_key=key, max_raw=max_size, hmac_key=hmac_key)
-    header = record.header
-    dtype = getattr(torch, header.dtype)
+            if header is None and got >= HEADER_SIZE:  # the header tells where the payload starts
+                header = decode_header(view, expected_key=key, max_raw=max_size)
+                hashed = header.prefix_len
+            if header is not None and got > hashed:
+                hasher.update(view[hashed:got])
+                hashed = got
+    assert header is not None  # size >= HEADER_SIZE
+    payload = verify_payload(view, header, hmac_key=hmac_key,
+                             payload_digest=hasher.intdigest() if hashed == size else None)
+    # torch.from_numpy of the array ``alloc`` returned, not of a numpy slice: a slice's ``base`` is the memory
+    # owner, so it would not keep that array (whose death recycles the memory) alive
     if not header.flags & (FLAG_LZ4 | FLAG_ZSTD):  # stored raw: the payload stays in the read buffer
-        payload = buf[header.prefix_len:]
+        out = torch.from_numpy(buf)[header.prefix_len:]
     else:
-        payload = alloc(header.raw_len)
-        payload.numpy()[:] = np.frombuffer(record.payload, dtype=np.uint8)
-    return payload.view(dtype).reshape(header.shape), size
+        raw = alloc(header.raw_len, 0)
+        raw[:] = np.frombuffer(payload, dtype=np.uint8)
+        out = torch.from_numpy(raw)
+    return out.view(getattr(torch, header.dtype)).view(header.shape), size
+
+
+ReadResult = tuple[torch.Tensor, int] | BaseException
+
+
+def read_records(paths: Sequence[str], keys: Sequence[Key], hmac_key: bytes | None, max_size: int,
+                 alloc: Callable[[int, int], np.ndarray]) -> list[ReadResult]:
+    """``read_record`` for several records in one blocking call; a failure is returned in its place."""
+    out: list[ReadResult] = []
+    for path, key in zip(paths, keys, strict=True):
+        try:
+            out.append(read_record(path, key, hmac_key, max_size, alloc))
+        except (OSError, CorruptRecord) as exc:
+            out.append(exc)
+    return out
 
 
 class DiskTier(Tier):
@@ -202,36 +247,63 @@ class DiskTier(Tier):
 
     async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
         with Timer(self._stats, "get_seconds"):
-            out = list(await asyncio.gather(*(self._get_one(k) for k in keys)))
+            batches = await asyncio.gather(*(self._get_batch(b) for b in self._read_batches(keys)))
+        out = [t for batch in batches for t in batch]
         hits = [t for t in out if t is not None]
         self._stats.gets += len(out)
         self._stats.get_hits += len(hits)
         self._stats.bytes_out += sum(t.numel() * t.element_size() for t in hits)
         return out
 
-    async def _get_one(self, key: Key) -> torch.Tensor | None:
-        path = self.layout.path(key)
-        try:
-            tensor, size = await asyncio.to_thread(read_record, path, key, self.hmac_key, self.capacity_bytes,
-                                                   self._buffers.take)
-        except FileNotFoundError:
-            self._forget(key)
-            return None
-        except CorruptRecord as exc:
-            log.warning("disk tier %s: corrupt record %s: %s", self.name, path, exc)
-            self._forget(key)
-            self._stats.corrupt += 1
-            await asyncio.to_thread(self._unlink_many, [key])
-            return None
-        except OSError as exc:
-            log.warning("disk tier %s: cannot read %s: %s", self.name, path, exc)
-            self._stats.errors += 1
-            return None
-        if key not in self._index:  # written by another process sharing the directory
-            if self._used + self._reserved + size <= self.capacity_bytes:
-                self._index[key] = size
-                self._used += size
-        return tensor
+    def _read_batches(self, keys: Sequence[Key]) -> list[list[Key]]:
+        """The keys in at most ``READ_STREAMS`` runs of similar byte counts, one worker-thread call each.
+
+        Measured on page-cached files (2 cores): one call per record runs at half the speed of a plain read
+        loop (thread hops, and GIL hand-offs between many readers); a few streams keep it near the loop's speed
+        and still give a device several reads in flight for uncached files.
+        """
+        sizes = [max(self._index.get(k, 1), 1) for k in keys]
+        share = -(-sum(sizes) // READ_STREAMS)
+        batches: list[list[Key]] = []
+        filled = share
+        for key, size in zip(keys, sizes, strict=True):
+            if filled >= share:
+                batches.append([])
+                filled = 0
+            batches[-1].append(key)
+            filled += size
+        return batches
+
+    async def _get_batch(self, keys: list[Key]) -> list[torch.Tensor | None]:
+        paths = [self.layout.path(k) for k in keys]
+        results = await asyncio.to_thread(read_records, paths, keys, self.hmac_key, self.capacity_bytes,
+                                          self._buffers.take_array)
+        out: list[torch.Tensor | None] = []
+        corrupt: list[Key] = []
+        for key, path, result in zip(keys, paths, results, strict=True):
+            if isinstance(result, FileNotFoundError):
+                self._forget(key)
+                out.append(None)
+            elif isinstance(result, CorruptRecord):
+                log.warning("disk tier %s: corrupt record %s: %s", self.name, path, result)
+                self._forget(key)
+                self._stats.corrupt += 1
+                corrupt.append(key)
+                out.append(None)
+            elif isinstance(result, BaseException):
+                log.warning("disk tier %s: cannot read %s: %s", self.name, path, result)
+                self._stats.errors += 1
+                out.append(None)
+            else:
+                tensor, size = result
+                if key not in self._index:  # written by another process sharing the directory
+                    if self._used + self._reserved + size <= self.capacity_bytes:
+                        self._index[key] = size
+                        self._used += size
+                out.append(tensor)
+        if corrupt:
+            await asyncio.to_thread(self._unlink_many, corrupt)
+        return out
 
     def _forget(self, key: Key) -> None:
         self._used -= self._index.pop(key, 0)

@@ -19,7 +19,7 @@ from kvtier.config import DiskTierConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers import make_tier
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import READ_PIECE, READ_STREAMS, DiskTier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ import asyncio, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from contract import key, rand
 from kvtier.config import DiskTierConfig
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import READ_PIECE, READ_STREAMS, DiskTier
 async def main():
     t = DiskTier(DiskTierConfig(name="d", capacity=1 << 24, path={str(root)!r}))
     await t.start()
@@ -111,6 +111,53 @@ async def test_entries_are_oldest_first(tmp_path: Path) -> None:
         os.utime(p, (time.time() - 100 + n, time.time() - 100 + n))
     again = await disk(tmp_path)
     assert [e.key for e in again.entries()] == [key(2), key(0), key(1)]
+
+
+@pytest.mark.parametrize("where", ["first_piece", "middle_piece", "last_byte", "append"])
+async def test_damage_anywhere_in_a_large_record_is_a_miss(tmp_path: Path, where: str) -> None:
+    """Records over READ_PIECE are hashed piece by piece as they are read: a flip in any piece is caught."""
+    assert READ_PIECE < 3 << 20
+    tier = await disk(tmp_path, capacity=1 << 26)
+    big = rand((3 << 20) // 4 + 17, seed=5)  # 3 MiB + 68 bytes: several unequal pieces' worth
+    await tier.put([(key(0), big), (key(1), rand((1000,), seed=1))])
+    path = next(p for p in record_files(tmp_path) if p.name.startswith(key(0).hex()))
+    data = bytearray(path.read_bytes())
+    if where == "first_piece":
+        data[HEADER_SIZE] ^= 0x01
+    elif where == "middle_piece":
+        data[len(data) // 2] ^= 0x80
+    elif where == "last_byte":
+        data[-1] ^= 0x01
+    else:
+        data += b"x"
+    path.write_bytes(bytes(data))
+    got = await tier.get([key(1), key(0)])
+    assert got[1] is None and tier.stats().corrupt == 1
+    assert_same(got[0], rand((1000,), seed=1))
+
+
+async def test_a_get_of_many_records_keeps_order_across_read_streams(tmp_path: Path) -> None:
+    tier = await disk(tmp_path, capacity=1 << 26)
+    sizes = [1000, 300_000, 50, 1 << 20, 7, 2000, 400_000, 10]  # uneven: streams split by bytes
+    await tier.put([(key(i), rand((n,), seed=i)) for i, n in enumerate(sizes)])
+    asked = [key(i) for i in range(len(sizes))]
+    asked.insert(3, key(99))  # a miss in the middle
+    got = await tier.get(asked)
+    assert len(got) == len(asked) and got[3] is None
+    for i, n in enumerate(sizes):
+        value = got[i if i < 3 else i + 1]
+        assert value is not None
+        assert_same(value, rand((n,), seed=i))
+    assert len(tier._read_batches(asked)) <= READ_STREAMS
+    assert tier.stats().get_hits == len(sizes) and tier.stats().gets == len(asked)
+
+
+async def test_read_payloads_start_page_aligned(tmp_path: Path) -> None:
+    """Reads land in recycled buffers placed so that the payload (after the header) starts on a page."""
+    tier = await disk(tmp_path)
+    await tier.put([(key(i), rand((5000,), seed=i)) for i in range(3)])
+    for value in await tier.get([key(i) for i in range(3)]):
+        assert value is not None and value.data_ptr() % 4096 == 0
 
 
 @pytest.mark.parametrize("damage", ["bitflip_payload", "bitflip_header", "truncate", "empty", "swap_key"])

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kvtier.tiers.recycle import Recycler
+from kvtier.tiers.recycle import ALIGN, Recycler
 
 
 def test_memory_is_reused_only_after_every_view_is_dropped() -> None:
@@ -60,3 +60,13 @@ def test_threads_never_share_a_buffer() -> None:
     for th in threads:
         th.join()
     assert not errors and r.reused > 0
+
+
+def test_byte_lead_is_page_aligned_also_when_reused() -> None:
+    r = Recycler()
+    for lead in (0, 108, 140, 4095):
+        t = r.take(10_000, lead=lead)
+        assert (t.data_ptr() + lead) % ALIGN == 0
+        assert t.numel() == 10_000
+        del t
+    assert r.reused == 3 and r.allocated == 1  # one backing buffer served every lead

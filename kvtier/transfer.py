@@ -152,12 +152,22 @@ def _gather_direct(layers: Sequence[torch.Tensor], idx: torch.Tensor, layout: KV
     one index op per chunk or per block position, whichever is fewer."""
     wide_layers, (wide_out,) = _wide(layers, [out], GATHER_DTYPES)
     dim = _block_dim(layout)
+    if n <= bpc and dim == 1 and all(t.is_contiguous() for t in layers):
+        # K and V rows of a chunk in one index_select over the layer viewed as [2 * blocks, ...] (memcpy path;
+        # measured: 32 MiB chunks from 68-81% to 76-88% of a plain copy), each chunk's index built once
+        num_blocks = int(layers[0].shape[1])
+        kv_idx = [torch.cat([idx[i * bpc:(i + 1) * bpc], idx[i * bpc:(i + 1) * bpc] + num_blocks]) for i in range(n)]
+        for li, t in enumerate(wide_layers):
+            flat, dst = t.view(2 * num_blocks, -1), wide_out[:, li].view(n, 2 * bpc, -1)
+            for i in range(n):
+                torch.index_select(flat, 0, kv_idx[i], out=dst[i])
+        return
     for li, t in enumerate(wide_layers):
         data = wide_out[:, li]
         if n <= bpc:
             for i in range(n):
                 rows, chunk_idx = _chunk_rows(data[i], layout, bpc), idx[i * bpc:(i + 1) * bpc]
-                if dim == 1:  # K and V apart: contiguous source and destination take index_select's memcpy path
+                if dim == 1:  # K and V apart: contiguous source and destination take the memcpy path
                     torch.index_select(t[0], 0, chunk_idx, out=rows[0])
                     torch.index_select(t[1], 0, chunk_idx, out=rows[1])
                 else:
@@ -199,6 +209,22 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], l
     return out
 
 
+def _kv_copy_index(ids: Sequence[int], num_blocks: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """For one chunk's blocks ``ids``: the target rows of a ``kv_first`` layer viewed as ``[2 * num_blocks,
+    ...]`` (K rows, then V rows), and which rows of the chunk's ``[2 * bpc, ...]`` data go there (None: all);
+    ``NULL_BLOCK`` entries are skipped; None when every entry is."""
+    bpc = len(ids)
+    kept = [j for j, b in enumerate(ids) if b != NULL_BLOCK]
+    if not kept:
+        return None
+    targets = [ids[j] for j in kept]
+    index = torch.tensor(targets + [b + num_blocks for b in targets], dtype=torch.long, device=device)
+    if len(kept) == bpc:
+        return index, None
+    return index, torch.tensor(kept + [j + bpc for j in kept], dtype=torch.long, device=device)
+
+
 def _copy_rows(t: torch.Tensor, dim: int, ids: Sequence[int], rows: torch.Tensor) -> None:
     """``t``'s blocks ``ids`` (along ``dim``) = ``rows``, skipping ``NULL_BLOCK`` entries (decided on the host:
     no device sync)."""
@@ -215,10 +241,31 @@ def _scatter_chunks(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence
                     payloads: Sequence[torch.Tensor], bpc: int) -> None:
     """One index op per chunk and layer, straight from each chunk's payload (no stacking)."""
     dim = _block_dim(layout)
+    if dim == 1 and all(t.is_contiguous() for t in layers) and all(p.is_contiguous() for p in payloads):
+        _scatter_kv_chunks(layers, block_ids, payloads)
+        return
     for ids, payload in zip(block_ids, payloads, strict=True):
         wide_layers, wide_p = _wide(layers, list(payload.unbind(0)), SCATTER_DTYPES)
         for t, p in zip(wide_layers, wide_p, strict=True):
             _copy_rows(t, dim, ids, _chunk_rows(p, layout, bpc))
+
+
+def _scatter_kv_chunks(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
+                       payloads: Sequence[torch.Tensor]) -> None:
+    """``kv_first`` layers and payloads, all contiguous: one ``index_copy_`` per chunk and layer moves its K and
+    V rows together (measured: 32 MiB chunks from 61-64% to 78-85% of a plain copy; fewer, larger calls), the
+    index built once per chunk."""
+    num_blocks = int(layers[0].shape[1])
+    wide_layers, wide_payloads = _wide(layers, payloads, SCATTER_DTYPES)  # one element width for all
+    flats = [t.view(2 * num_blocks, -1) for t in wide_layers]
+    for ids, payload in zip(block_ids, wide_payloads, strict=True):
+        plan = _kv_copy_index(ids, num_blocks, layers[0].device)
+        if plan is None:
+            continue
+        index, pick = plan
+        rows = payload.view(len(flats), 2 * len(ids), -1)
+        for flat, src in zip(flats, rows.unbind(0), strict=True):
+            flat.index_copy_(0, index, src if pick is None else src.index_select(0, pick))
 
 
 def _scatter_columns(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], layout: KVLayout,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import itertools
 import json
 import math
 import sys
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         best = max((simulate(reqs, capacity, lambda i, s=s, p=prob: s * (p[i] - 0.4)), s) for s in SCALES)
         add(f"hindsight {which}", best[0], classes=len(counts), scale=best[1])
     add("oracle_continues", max(simulate(reqs, capacity, lambda i, s=s: s * (continues[i] - 0.4))
-                                for s in itertools.islice(SCALES, 2)))
+                                for s in SCALES))
     body = {"benchmark": "hit_rate_ceiling", "machine": machine_info(), "trace": args.trace.name,
             "requests": len(reqs), "unique_blocks": unique, "capacity_blocks": capacity,
             "capacity_fraction": args.capacity, "continuing_requests": sum(continues),

@@ -108,9 +108,45 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
+def _coalesced(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same copies (flat ``uint8`` pairs), consecutive ones merged where both the destinations and the
+    sources follow each other in memory (records of one batch put in consecutive slots, payloads that are
+    slices of one gathered tensor): one large copy instead of many small ones. A merged pair spans memory of
+    the first pair's storages only (``as_strided`` checks the bounds; out of bounds means a different
+    allocation that merely happens to follow, and is not merged)."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    run: list[tuple[torch.Tensor, torch.Tensor]] = []
+    end_d = end_s = -1
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            total = sum(d.numel() for d, _ in run)
+            d0, s0 = run[0]
+            try:
+                out.append((d0.as_strided((total,), (1,)), s0.as_strided((total,), (1,))))
+            except RuntimeError:  # crosses the end of a storage: keep the pieces
+                out.extend(run)
+        run.clear()
+
+    for dst, src in copies:
+        n = dst.numel()
+        if not (run and dst.data_ptr() == end_d and src.data_ptr() == end_s and dst.device == run[0][0].device
+                and src.device == run[0][1].device):
+            flush()
+        run.append((dst, src))
+        end_d, end_s = dst.data_ptr() + n, src.data_ptr() + n
+    flush()
+    return out
+
+
 def _copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair, in order: one ``torch._foreach_copy_`` call (the loop runs in C++)
-    when every tensor is on one device, else one ``copy_`` each (host-device pairs)."""
+    """``dst.copy_(src)`` for every pair (flat ``uint8``), in order: adjacent pairs merged (``_coalesced``),
+    then one ``torch._foreach_copy_`` call (the loop runs in C++) when every tensor is on one device, else one
+    ``copy_`` each (host-device pairs)."""
+    if len(copies) > 1:
+        copies = _coalesced(copies)
     if not copies:
         return
     dsts = [d for d, _ in copies]
@@ -336,6 +372,10 @@ class SlotPool:
 
     def _copies_out(self, rec: Slotted, dst: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         assert self._buf is not None
+        if len(rec.runs) == 1:  # the common case: one slice each side
+            start = rec.runs[0][0] * self._slot
+            copies.append((dst, self._buf[start:start + rec.nbytes]))
+            return
         done, slot = 0, self._slot
         for start, count in rec.runs:
             take = min(count * slot, rec.nbytes - done)

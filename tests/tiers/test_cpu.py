@@ -216,3 +216,33 @@ async def test_get_reuses_memory_of_dropped_results_only() -> None:
     assert again is not None and again.data_ptr() == ptr  # recycled: no fresh memory
     assert again.data_ptr() != held.data_ptr()
     assert_same(held, rand((4096,), seed=1))
+
+
+def test_adjacent_copies_are_merged_and_others_kept() -> None:
+    from kvtier.tiers.pool import _coalesced, _copy_all
+
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    pairs = [(dst[0:16], src[0:16]), (dst[16:32], src[16:32]),  # adjacent on both sides: one copy
+             (dst[40:48], src[32:40]),  # a gap on the destination side: a new run
+             (dst[48:56], src[40:48])]
+    merged = _coalesced(pairs)
+    assert [(d.numel(), s.numel()) for d, s in merged] == [(32, 32), (16, 16)]
+    _copy_all(pairs)
+    assert torch.equal(dst[0:32], src[0:32]) and torch.equal(dst[40:56], src[32:48])
+    assert int(dst[32:40].sum()) == 0
+
+
+def test_put_many_with_a_repeated_key_keeps_the_last_value() -> None:
+    pool = SlotPool(1 << 20)
+    pool.allocate()
+    batch = torch.arange(3 * 4096, dtype=torch.int32).view(3, 4096)  # adjacent sources: merged copies
+    assert pool.put_many([(key(0), batch[0]), (key(1), batch[1]), (key(0), batch[2])]) == [True, True, True]
+    got = pool.get_many([key(0), key(1), key(2)])
+    assert got[2] is None
+    assert_same(got[0], batch[2])
+    assert_same(got[1], batch[1])
+    outs = [torch.empty(4096, dtype=torch.int32) for _ in range(2)]
+    assert pool.read_many([(key(1), outs[0]), (key(9), outs[1]), (key(0), outs[1])]) == [True, False, True]
+    assert_same(outs[0], batch[1])
+    assert_same(outs[1], batch[2])

@@ -147,15 +147,18 @@ def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
     assert header is not None  # size >= HEADER_SIZE
     payload = verify_payload(view, header, hmac_key=hmac_key,
                              payload_digest=hasher.intdigest() if hashed == size else None)
-    # torch.from_numpy of the array ``alloc`` returned, not of a numpy slice: a slice's ``base`` is the memory
-    # owner, so it would not keep that array (whose death recycles the memory) alive
-    if not header.flags & (FLAG_LZ4 | FLAG_ZSTD):  # stored raw: the payload stays in the read buffer
-        out = torch.from_numpy(buf)[header.prefix_len:]
-    else:
+    # a tensor over the array ``alloc`` returned (torch.frombuffer keeps that very object alive), not over a
+    # numpy slice of it: a slice's ``base`` is the memory owner, so it would let the array die (and its
+    # memory be recycled) while the tensor is still in use
+    dtype = getattr(torch, header.dtype)
+    if header.raw_len == 0:
+        return torch.empty(header.shape, dtype=dtype), size
+    if header.flags & (FLAG_LZ4 | FLAG_ZSTD):
         raw = alloc(header.raw_len, 0)
         raw[:] = np.frombuffer(payload, dtype=np.uint8)
-        out = torch.from_numpy(raw)
-    return out.view(getattr(torch, header.dtype)).view(header.shape), size
+        return torch.frombuffer(raw, dtype=dtype).view(header.shape), size
+    # stored raw: the payload stays in the read buffer
+    return torch.frombuffer(buf, dtype=dtype, offset=header.prefix_len).view(header.shape), size
 
 
 ReadResult = tuple[torch.Tensor, int] | BaseException

@@ -26,6 +26,7 @@ import torch
 
 from kvtier.keys import Key
 from kvtier.tiers.base import Tier, Timer
+from kvtier.tiers.copies import copy_all
 from kvtier.tiers.recycle import DEFAULT_MAX_IDLE, Recycler
 
 log = logging.getLogger(__name__)
@@ -106,57 +107,6 @@ class Slotted:
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
-
-
-def _coalesced(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same copies (flat ``uint8`` pairs), consecutive ones merged where both the destinations and the
-    sources follow each other in memory (records of one batch put in consecutive slots, payloads that are
-    slices of one gathered tensor): one large copy instead of many small ones. A merged pair spans memory of
-    the first pair's storages only (``as_strided`` checks the bounds; out of bounds means a different
-    allocation that merely happens to follow, and is not merged)."""
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    run: list[tuple[torch.Tensor, torch.Tensor]] = []
-    end_d = end_s = -1
-
-    def flush() -> None:
-        if len(run) == 1:
-            out.append(run[0])
-        elif run:
-            total = sum(d.numel() for d, _ in run)
-            d0, s0 = run[0]
-            try:
-                out.append((d0.as_strided((total,), (1,)), s0.as_strided((total,), (1,))))
-            except RuntimeError:  # crosses the end of a storage: keep the pieces
-                out.extend(run)
-        run.clear()
-
-    for dst, src in copies:
-        n = dst.numel()
-        if not (run and dst.data_ptr() == end_d and src.data_ptr() == end_s and dst.device == run[0][0].device
-                and src.device == run[0][1].device):
-            flush()
-        run.append((dst, src))
-        end_d, end_s = dst.data_ptr() + n, src.data_ptr() + n
-    flush()
-    return out
-
-
-def _copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair (flat ``uint8``), in order: adjacent pairs merged (``_coalesced``),
-    then one ``torch._foreach_copy_`` call (the loop runs in C++) when every tensor is on one device, else one
-    ``copy_`` each (host-device pairs)."""
-    if len(copies) > 1:
-        copies = _coalesced(copies)
-    if not copies:
-        return
-    dsts = [d for d, _ in copies]
-    srcs = [s for _, s in copies]
-    device = dsts[0].device
-    if len(copies) > 1 and all(t.device == device for t in (*dsts, *srcs)):
-        torch._foreach_copy_(dsts, srcs)
-        return
-    for dst, src in copies:
-        dst.copy_(src)
 
 
 def _alloc_host(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
@@ -269,7 +219,7 @@ class SlotPool:
         """Copy ``tensor`` in; False when it does not fit (an older record of the key is then kept)."""
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         done = self._place(key, tensor, copies)
-        _copy_all(copies)
+        copy_all(copies)
         return done
 
     def put_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
@@ -280,7 +230,7 @@ class SlotPool:
             return [self.put(k, t) for k, t in items]
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         done = [self._place(k, t, copies) for k, t in items]
-        _copy_all(copies)
+        copy_all(copies)
         return done
 
     def _place(self, key: Key, tensor: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -347,7 +297,7 @@ class SlotPool:
                 dst = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
             self._copies_out(rec, dst, copies)
             out.append(dst.view(rec.dtype).view(rec.shape))
-        _copy_all(copies)
+        copy_all(copies)
         return out
 
     def read_into(self, key: Key, out: torch.Tensor) -> bool:
@@ -367,7 +317,7 @@ class SlotPool:
             if dst.numel() != rec.nbytes:
                 raise ValueError(f"out has {dst.numel()} bytes, the record {rec.nbytes}")
             self._copies_out(rec, dst, copies)
-        _copy_all(copies)
+        copy_all(copies)
         return found
 
     def _copies_out(self, rec: Slotted, dst: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -11,6 +11,7 @@ from contract import TierContract, assert_same, key, rand
 from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, RedisTierConfig
 from kvtier.tiers import TIERS, make_tier, tier_class
 from kvtier.tiers.base import Tier
+from kvtier.tiers.copies import coalesced, copy_all
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.pool import FreeRuns, SlotPool
 
@@ -219,16 +220,14 @@ async def test_get_reuses_memory_of_dropped_results_only() -> None:
 
 
 def test_adjacent_copies_are_merged_and_others_kept() -> None:
-    from kvtier.tiers.pool import _coalesced, _copy_all
-
     src = torch.arange(64, dtype=torch.uint8)
     dst = torch.zeros(64, dtype=torch.uint8)
     pairs = [(dst[0:16], src[0:16]), (dst[16:32], src[16:32]),  # adjacent on both sides: one copy
              (dst[40:48], src[32:40]),  # a gap on the destination side: a new run
              (dst[48:56], src[40:48])]
-    merged = _coalesced(pairs)
+    merged = coalesced(pairs)
     assert [(d.numel(), s.numel()) for d, s in merged] == [(32, 32), (16, 16)]
-    _copy_all(pairs)
+    copy_all(pairs)
     assert torch.equal(dst[0:32], src[0:32]) and torch.equal(dst[40:56], src[32:48])
     assert int(dst[32:40].sum()) == 0
 

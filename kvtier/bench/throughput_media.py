@@ -134,7 +134,7 @@ def bench_disk(run: Runner, root: Path, chunk_bytes: int, fsync: bool) -> None:
 
 def _split(items: list[Any], parts: int) -> list[list[Any]]:
     """``items`` in at most ``parts`` consecutive runs of (nearly) equal length."""
-    size = -(-len(items) // parts)
+    size = max(1, -(-len(items) // parts))
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 

@@ -172,7 +172,9 @@ def read_records(paths: Sequence[str], keys: Sequence[Key], hmac_key: bytes | No
         try:
             out.append(read_record(path, key, hmac_key, max_size, alloc))
         except (OSError, CorruptRecord) as exc:
-            out.append(exc)
+            # without its traceback: the frames it holds (this one, whose list holds the exception, and the
+            # read's, which holds the buffer) would keep the read buffer from being recycled until a GC cycle
+            out.append(exc.with_traceback(None))
     return out
 
 

@@ -217,20 +217,27 @@ class SlotPool:
 
     def put(self, key: Key, tensor: torch.Tensor) -> bool:
         """Copy ``tensor`` in; False when it does not fit (an older record of the key is then kept)."""
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        done = self._place(key, tensor, copies)
-        copy_all(copies)
-        return done
+        return self.put_many([(key, tensor)])[0]
 
     def put_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
         """``put`` of every item, the bookkeeping first and then every copy in one call (no per-record op
         dispatch: at 256 KiB records that was a third of the time). A key twice in ``items`` takes the
-        one-by-one path, so that a later record never lands in slots an earlier copy still writes."""
+        one-by-one path, so that a later record never lands in slots an earlier copy still writes. If anything
+        raises, every key placed by this call is dropped before the error propagates: its slots may hold another
+        record's old bytes, and a miss is the only safe answer."""
         if len({k for k, _ in items}) != len(items):
             return [self.put(k, t) for k, t in items]
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        done = [self._place(k, t, copies) for k, t in items]
-        copy_all(copies)
+        done: list[bool] = []
+        try:
+            for k, t in items:
+                done.append(self._place(k, t, copies))
+            copy_all(copies)
+        except BaseException:
+            for (k, _), placed in zip(items, done, strict=False):
+                if placed:
+                    self._drop(k)
+            raise
         return done
 
     def _place(self, key: Key, tensor: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

@@ -38,13 +38,15 @@ class Recycler:
         # handed out, not yet dead: id(weak reference to the handle) -> (that reference, backing, address, size)
         self._out: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray, int, int]] = {}
         self._idle = 0
-        self._lock = threading.Lock()
+        # re-entrant: a buffer's last user may die (and ``_returned`` run) inside a garbage collection that an
+        # allocation made while this thread already holds the lock
+        self._lock = threading.RLock()
         self.reused = 0
         self.allocated = 0
 
     @property
     def idle_bytes(self) -> int:
-        """Bytes kept for reuse now (not held by any caller)."""
+        """Bytes kept for reuse now (not held by any caller), alignment slack included."""
         return self._idle
 
     def take(self, nbytes: int, lead: int = 0) -> torch.Tensor:
@@ -63,7 +65,7 @@ class Recycler:
             stack = self._free.get(nbytes)
             if stack:
                 found = stack.pop()
-                self._idle -= nbytes
+                self._idle -= found[0].nbytes
                 self.reused += 1
         if found is None:
             backing = np.empty(nbytes + ALIGN, dtype=np.uint8)  # room to place ``lead`` on a page boundary
@@ -79,11 +81,12 @@ class Recycler:
 
     def _returned(self, ref: weakref.ref[np.ndarray]) -> None:
         _, backing, address, nbytes = self._out.pop(id(ref))
+        entry, fresh = (backing, address), deque[tuple[np.ndarray, int]]()  # allocated before taking the lock
         with self._lock:
-            if self._idle + nbytes > self.max_idle_bytes:
+            if self._idle + backing.nbytes > self.max_idle_bytes:
                 return  # over the cap: let this one be freed
-            self._free.setdefault(nbytes, deque()).append((backing, address))
-            self._idle += nbytes
+            self._free.setdefault(nbytes, fresh).append(entry)
+            self._idle += backing.nbytes
 
     def clear(self) -> None:
         """Free every idle buffer (buffers still held return to the list later, as usual)."""

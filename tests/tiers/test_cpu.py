@@ -245,3 +245,19 @@ def test_put_many_with_a_repeated_key_keeps_the_last_value() -> None:
     assert pool.read_many([(key(1), outs[0]), (key(9), outs[1]), (key(0), outs[1])]) == [True, False, True]
     assert_same(outs[0], batch[1])
     assert_same(outs[1], batch[2])
+
+
+def test_a_failing_batch_put_leaves_misses_never_stale_bytes() -> None:
+    """Slots are reserved before the batch's copies run; when the batch fails, nothing it placed may be served
+    (the slots would still hold a deleted record's bytes)."""
+    pool = SlotPool(1 << 20)
+    pool.allocate()
+    assert pool.put(key(9), torch.full((1024,), 7.0))
+    assert pool.delete(key(9))
+    bad = torch.zeros(1024).to_sparse()  # has no flat byte view: raises while being placed
+    with pytest.raises(RuntimeError):
+        pool.put_many([(key(1), torch.ones(1024)), (key(2), bad)])
+    assert pool.get(key(1)) is None and pool.get(key(2)) is None
+    assert pool.used_bytes() == 0
+    assert pool.put(key(1), torch.ones(1024))
+    assert_same(pool.get(key(1)), torch.ones(1024))

@@ -281,3 +281,21 @@ async def test_concurrent_puts_of_one_key_keep_the_index_exact(tmp_path: Path) -
     assert await tier.put([(key(0), small), (key(0), big)]) == [True, True]
     assert_same((await tier.get([key(0)]))[0], big)
     assert tier.used_bytes() == HEADER_SIZE + 4000 == record_files(tmp_path)[0].stat().st_size
+
+
+async def test_a_corrupt_reads_buffer_is_recycled_without_a_gc_pass(tmp_path: Path) -> None:
+    """The error kept for a corrupt record must not hold the read buffer through its traceback."""
+    import gc
+
+    tier = await disk(tmp_path)
+    await tier.put([(key(0), rand((5000,)))])
+    path = record_files(tmp_path)[0]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    gc.disable()
+    try:
+        assert await tier.get([key(0)]) == [None]
+        assert tier._buffers.idle_bytes > 0  # back on the free list at once
+    finally:
+        gc.enable()

@@ -123,18 +123,19 @@ def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
     array read into, byte ``lead`` (where the payload starts) page-aligned if it can; the result is a view of
     it. The payload is hashed piece by piece as it arrives (a second pass over a record larger than the CPU
     cache would cost as much as the read). Raises FileNotFoundError, CorruptRecord or OSError."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
         if not HEADER_SIZE <= size <= max_size:
             raise CorruptRecord(f"file size {size} is outside [{HEADER_SIZE}, {max_size}]")
         buf = alloc(size, HEADER_SIZE + (MAC_BYTES if hmac_key is not None else 0))
         view = buf.data
         header: RecordHeader | None = None
         hasher = xxhash.xxh3_64()
-        piece = -(-size // -(-size // READ_PIECE))  # equal pieces of at most READ_PIECE
+        piece = size if size <= READ_PIECE else -(-size // -(-size // READ_PIECE))  # equal pieces, at most READ_PIECE
         got = hashed = 0  # bytes read; bytes hashed up to (from the payload start on)
         while got < size:
-            n = f.readinto(view[got:min(got + piece, size)])
+            n = os.readv(fd, [view[got:got + piece] if got or piece < size else view])
             if not n:
                 raise CorruptRecord(f"file ended after {got} of {size} bytes")
             got += n
@@ -144,6 +145,8 @@ def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
             if header is not None and got > hashed:
                 hasher.update(view[hashed:got])
                 hashed = got
+    finally:
+        os.close(fd)
     assert header is not None  # size >= HEADER_SIZE
     payload = verify_payload(view, header, hmac_key=hmac_key,
                              payload_digest=hasher.intdigest() if hashed == size else None)

@@ -155,7 +155,7 @@ async def test_a_get_of_many_records_keeps_order_across_read_streams(tmp_path: P
 async def test_read_payloads_start_page_aligned(tmp_path: Path) -> None:
     """Reads land in recycled buffers placed so that the payload (after the header) starts on a page."""
     tier = await disk(tmp_path)
-    await tier.put([(key(i), rand((5000,), seed=i)) for i in range(3)])
+    await tier.put([(key(i), rand((20_000,), seed=i)) for i in range(3)])
     for value in await tier.get([key(i) for i in range(3)]):
         assert value is not None and value.data_ptr() % 4096 == 0
 

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kvtier.tiers.recycle import ALIGN, Recycler
+from kvtier.tiers.recycle import ALIGN, LINE, PAGE_ALIGNED_FROM, Recycler
 
 
 def test_memory_is_reused_only_after_every_view_is_dropped() -> None:
@@ -22,18 +22,18 @@ def test_memory_is_reused_only_after_every_view_is_dropped() -> None:
     del view
     assert r.idle_bytes == 0
     del array
-    assert r.idle_bytes == (1 << 16) + ALIGN  # the backing buffer, alignment slack included
+    assert r.idle_bytes == 1 << 16
     again = r.take(1 << 16)
     assert again.data_ptr() == ptr and r.idle_bytes == 0
     assert (r.reused, r.allocated) == (1, 2)
 
 
 def test_sizes_are_kept_apart_and_idle_memory_is_capped() -> None:
-    r = Recycler(max_idle_bytes=3 * ((1 << 12) + ALIGN))
+    r = Recycler(max_idle_bytes=3 << 12)
     bufs = [r.take(1 << 12) for _ in range(5)]
     small = r.take(100)
     del bufs
-    assert r.idle_bytes == 3 * ((1 << 12) + ALIGN)  # two of the five were freed, over the cap
+    assert r.idle_bytes == 3 << 12  # two of the five were freed, over the cap
     assert r.take(100).data_ptr() != small.data_ptr()
     assert r.take(1 << 12).numel() == 1 << 12 and r.reused == 1
     r.clear()
@@ -62,11 +62,22 @@ def test_threads_never_share_a_buffer() -> None:
     assert not errors and r.reused > 0
 
 
-def test_byte_lead_is_page_aligned_also_when_reused() -> None:
+def test_byte_lead_is_aligned_also_when_reused() -> None:
     r = Recycler()
-    for lead in (0, 108, 140, 4095):
-        t = r.take(10_000, lead=lead)
-        assert (t.data_ptr() + lead) % ALIGN == 0
-        assert t.numel() == 10_000
-        del t
-    assert r.reused == 3 and r.allocated == 1  # one backing buffer served every lead
+    for size, align in ((PAGE_ALIGNED_FROM, ALIGN), (10_000, LINE)):
+        for lead in (0, 108, 140, 4095):
+            t = r.take(size, lead=lead)
+            assert (t.data_ptr() + lead) % align == 0
+            assert t.numel() == size
+            del t
+    assert r.reused == 6 and r.allocated == 2  # one backing buffer per size served every lead
+
+
+def test_an_exactly_full_cap_keeps_every_buffer() -> None:
+    """The cap counts the bytes asked for: a pool's results adding up to its capacity all come back."""
+    r = Recycler(max_idle_bytes=8 << 20)
+    bufs = [r.take(1 << 20) for _ in range(8)]
+    del bufs
+    assert r.idle_bytes == 8 << 20
+    again = [r.take(1 << 20) for _ in range(8)]
+    assert r.allocated == 8 and r.reused == 8 and len(again) == 8

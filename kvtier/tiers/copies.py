@@ -1,8 +1,10 @@
-"""Batched tensor copies for the memory pools: bookkeeping first, then every copy of a batch in one call.
+"""Batched copies between a memory pool's byte buffer and tensors: bookkeeping first, then every copy at once.
 
-``copy_all(pairs)`` copies each ``(dst, src)`` pair of flat ``uint8`` tensors in order: adjacent pairs merged
-(``coalesced``), then one ``torch._foreach_copy_`` (a C++ loop, no per-copy Python dispatch) when every tensor is
-on one device, else one ``copy_`` each.
+A batch is a list of pieces ``(pool offset, tensor, offset in the tensor's bytes, bytes)``. ``copy_pieces`` merges
+consecutive pieces that follow each other on both sides (records of one batch in consecutive slots, payloads that
+are slices of one gathered tensor) into one copy, and only then makes tensor views: per-record views were most of
+the per-record cost at small records. The copies then run in one ``torch._foreach_copy_`` (a C++ loop) when every
+tensor is on one device, else one ``copy_`` each (host-device pairs).
 """
 
 from __future__ import annotations
@@ -11,53 +13,57 @@ from collections.abc import Sequence
 
 import torch
 
-
-def coalesced(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same copies (flat ``uint8`` pairs), consecutive ones merged where both the destinations and the
-    sources follow each other in memory (records of one batch put in consecutive slots, payloads that are
-    slices of one gathered tensor): one large copy instead of many small ones. A merged pair spans memory of
-    the first pair's storages only (``as_strided`` checks the bounds; out of bounds means a different
-    allocation that merely happens to follow, and is not merged)."""
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    run: list[tuple[torch.Tensor, torch.Tensor]] = []
-    end_d = end_s = -1
-
-    def flush() -> None:
-        if len(run) == 1:
-            out.append(run[0])
-        elif run:
-            total = sum(d.numel() for d, _ in run)
-            d0, s0 = run[0]
-            try:
-                out.append((d0.as_strided((total,), (1,)), s0.as_strided((total,), (1,))))
-            except RuntimeError:  # crosses the end of a storage: keep the pieces
-                out.extend(run)
-        run.clear()
-
-    for dst, src in copies:
-        n = dst.numel()
-        if not (run and dst.data_ptr() == end_d and src.data_ptr() == end_s and dst.device == run[0][0].device
-                and src.device == run[0][1].device):
-            flush()
-        run.append((dst, src))
-        end_d, end_s = dst.data_ptr() + n, src.data_ptr() + n
-    flush()
-    return out
+Piece = tuple[int, torch.Tensor, int, int]  # pool byte offset, contiguous tensor, byte offset in it, byte count
 
 
-def copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair (flat ``uint8``), in order: adjacent pairs merged (``coalesced``),
-    then one ``torch._foreach_copy_`` call (the loop runs in C++) when every tensor is on one device, else one
-    ``copy_`` each (host-device pairs)."""
-    if len(copies) > 1:
-        copies = coalesced(copies)
-    if not copies:
-        return
-    dsts = [d for d, _ in copies]
-    srcs = [s for _, s in copies]
-    device = dsts[0].device
-    if len(copies) > 1 and all(t.device == device for t in (*dsts, *srcs)):
-        torch._foreach_copy_(dsts, srcs)
-        return
-    for dst, src in copies:
-        dst.copy_(src)
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat ``uint8`` view."""
+    return tensor.view(-1).view(torch.uint8)
+
+
+def _side(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` bytes of memory from byte ``start`` of ``tensor`` on, as ``uint8``; None when they run past the
+    end of its storage (a merge with memory that merely happens to follow)."""
+    flat = flat_bytes(tensor)
+    if start + nbytes <= flat.numel():
+        return flat[start:start + nbytes]
+    try:
+        return flat.as_strided((nbytes,), (1,), flat.storage_offset() + start)
+    except RuntimeError:
+        return None
+
+
+def copy_pieces(pool: torch.Tensor, pieces: Sequence[Piece], into_pool: bool) -> int:
+    """Copy every piece between ``pool`` (flat ``uint8``) and its tensor, in order: into the pool when
+    ``into_pool``, out of it otherwise. Returns the number of copies the pieces were merged into."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    i = 0
+    while i < len(pieces):
+        offset, tensor, start, nbytes = pieces[i]
+        end, device, j = tensor.data_ptr() + start + nbytes, tensor.device, i + 1
+        while j < len(pieces):
+            o, t, s, n = pieces[j]
+            if o != offset + nbytes or t.data_ptr() + s != end or t.device != device:
+                break
+            nbytes, end, j = nbytes + n, end + n, j + 1
+        side = _side(tensor, start, nbytes)
+        if side is None:  # not one storage after all: the pieces one by one
+            for o, t, s, n in pieces[i:j]:
+                pairs.append(_pair(pool[o:o + n], flat_bytes(t)[s:s + n], into_pool))
+        else:
+            pairs.append(_pair(pool[offset:offset + nbytes], side, into_pool))
+        i = j
+    if not pairs:
+        return 0
+    first = pairs[0][0].device
+    if len(pairs) > 1 and all(d.device == first and s.device == first for d, s in pairs):
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    else:
+        for dst, src in pairs:
+            dst.copy_(src)
+    return len(pairs)
+
+
+def _pair(pool_side: torch.Tensor, tensor_side: torch.Tensor, into_pool: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination, source)."""
+    return (pool_side, tensor_side) if into_pool else (tensor_side, pool_side)

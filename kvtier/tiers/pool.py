@@ -26,7 +26,7 @@ import torch
 
 from kvtier.keys import Key
 from kvtier.tiers.base import Tier, Timer
-from kvtier.tiers.copies import copy_all
+from kvtier.tiers.copies import Piece, copy_pieces
 from kvtier.tiers.recycle import DEFAULT_MAX_IDLE, Recycler
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,6 @@ class Slotted:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 def _alloc_host(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
@@ -227,12 +223,14 @@ class SlotPool:
         record's old bytes, and a miss is the only safe answer."""
         if len({k for k, _ in items}) != len(items):
             return [self.put(k, t) for k, t in items]
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pieces: list[Piece] = []
         done: list[bool] = []
         try:
             for k, t in items:
-                done.append(self._place(k, t, copies))
-            copy_all(copies)
+                done.append(self._place(k, t, pieces))
+            if pieces:
+                assert self._buf is not None
+                copy_pieces(self._buf, pieces, into_pool=True)
         except BaseException:
             for (k, _), placed in zip(items, done, strict=False):
                 if placed:
@@ -240,12 +238,12 @@ class SlotPool:
             raise
         return done
 
-    def _place(self, key: Key, tensor: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Reserve slots for ``tensor`` under ``key`` and append its (destination, source) copies."""
+    def _place(self, key: Key, tensor: torch.Tensor, pieces: list[Piece]) -> bool:
+        """Reserve slots for ``tensor`` under ``key`` and append the pieces to copy in."""
         if self._buf is None:
             raise RuntimeError("pool not started")
-        src = _bytes_of(tensor)
-        n = src.numel()
+        src = tensor.contiguous()  # itself when already contiguous; else a copy the piece keeps alive
+        n = src.numel() * src.element_size()
         if n and not self._slot:
             if round_up(n) > self.capacity:
                 return False
@@ -262,7 +260,7 @@ class SlotPool:
         if runs is None:
             return False
         self._used_slots += need
-        self._copies_in(runs, src, copies)
+        self._pieces(runs, src, n, pieces)
         self._drop(key)
         self._map[key] = Slotted(tuple(runs), tensor.dtype, tuple(tensor.shape), n)
         return True
@@ -272,17 +270,12 @@ class SlotPool:
             return []
         return self._free.take(need) if self._free is not None else None
 
-    def _copies_in(self, runs: Sequence[Run], src: torch.Tensor,
-                   copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        assert self._buf is not None
-        if len(runs) == 1:  # the common case: one slice each side
-            start = runs[0][0] * self._slot
-            copies.append((self._buf[start:start + src.numel()], src))
-            return
+    def _pieces(self, runs: Sequence[Run], tensor: torch.Tensor, nbytes: int, pieces: list[Piece]) -> None:
+        """The pieces moving a record's ``nbytes`` between its slot ``runs`` and ``tensor`` (contiguous)."""
         done, slot = 0, self._slot
         for start, count in runs:
-            take = min(count * slot, src.numel() - done)
-            copies.append((self._buf[start * slot:start * slot + take], src[done:done + take]))
+            take = min(count * slot, nbytes - done)
+            pieces.append((start * slot, tensor, done, take))
             done += take
 
     def get(self, key: Key) -> torch.Tensor | None:
@@ -291,7 +284,7 @@ class SlotPool:
 
     def get_many(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
         """``get`` of every key, all copies in one call."""
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pieces: list[Piece] = []
         out: list[torch.Tensor | None] = []
         for key in keys:
             rec = self._map.get(key)
@@ -302,9 +295,11 @@ class SlotPool:
                 dst = self._recycler.take(rec.nbytes)
             else:  # pinned pool, pinned result (cached by CUDA's host allocator): host-to-device copies stay fast
                 dst = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
-            self._copies_out(rec, dst, copies)
+            self._pieces(rec.runs, dst, rec.nbytes, pieces)
             out.append(dst.view(rec.dtype).view(rec.shape))
-        copy_all(copies)
+        if pieces:
+            assert self._buf is not None
+            copy_pieces(self._buf, pieces, into_pool=False)
         return out
 
     def read_into(self, key: Key, out: torch.Tensor) -> bool:
@@ -313,31 +308,23 @@ class SlotPool:
 
     def read_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
         """``read_into`` of every item, all copies in one call; sizes are checked before anything is copied."""
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pieces: list[Piece] = []
         found: list[bool] = []
         for key, out in items:
             rec = self._map.get(key)
             found.append(rec is not None)
             if rec is None:
                 continue
-            dst = out.reshape(-1).view(torch.uint8)
-            if dst.numel() != rec.nbytes:
-                raise ValueError(f"out has {dst.numel()} bytes, the record {rec.nbytes}")
-            self._copies_out(rec, dst, copies)
-        copy_all(copies)
+            nbytes = out.numel() * out.element_size()
+            if nbytes != rec.nbytes:
+                raise ValueError(f"out has {nbytes} bytes, the record {rec.nbytes}")
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous")
+            self._pieces(rec.runs, out, rec.nbytes, pieces)
+        if pieces:
+            assert self._buf is not None
+            copy_pieces(self._buf, pieces, into_pool=False)
         return found
-
-    def _copies_out(self, rec: Slotted, dst: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        assert self._buf is not None
-        if len(rec.runs) == 1:  # the common case: one slice each side
-            start = rec.runs[0][0] * self._slot
-            copies.append((dst, self._buf[start:start + rec.nbytes]))
-            return
-        done, slot = 0, self._slot
-        for start, count in rec.runs:
-            take = min(count * slot, rec.nbytes - done)
-            copies.append((dst[done:done + take], self._buf[start * slot:start * slot + take]))
-            done += take
 
     def view(self, key: Key) -> torch.Tensor | None:
         """A zero-copy view of a record stored in one run (None otherwise). Pin the key while using it."""

@@ -11,7 +11,7 @@ from contract import TierContract, assert_same, key, rand
 from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, RedisTierConfig
 from kvtier.tiers import TIERS, make_tier, tier_class
 from kvtier.tiers.base import Tier
-from kvtier.tiers.copies import coalesced, copy_all
+from kvtier.tiers.copies import copy_pieces
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.pool import FreeRuns, SlotPool
 
@@ -219,17 +219,30 @@ async def test_get_reuses_memory_of_dropped_results_only() -> None:
     assert_same(held, rand((4096,), seed=1))
 
 
-def test_adjacent_copies_are_merged_and_others_kept() -> None:
+def test_adjacent_pieces_are_merged_and_others_kept() -> None:
     src = torch.arange(64, dtype=torch.uint8)
-    dst = torch.zeros(64, dtype=torch.uint8)
-    pairs = [(dst[0:16], src[0:16]), (dst[16:32], src[16:32]),  # adjacent on both sides: one copy
-             (dst[40:48], src[32:40]),  # a gap on the destination side: a new run
-             (dst[48:56], src[40:48])]
-    merged = coalesced(pairs)
-    assert [(d.numel(), s.numel()) for d, s in merged] == [(32, 32), (16, 16)]
-    copy_all(pairs)
-    assert torch.equal(dst[0:32], src[0:32]) and torch.equal(dst[40:56], src[32:48])
-    assert int(dst[32:40].sum()) == 0
+    pool = torch.zeros(64, dtype=torch.uint8)
+    pieces = [(0, src, 0, 16), (16, src, 16, 16),  # adjacent on both sides: one copy
+              (40, src, 32, 8),  # a gap on the pool side: a new copy
+              (48, src, 40, 8)]
+    assert copy_pieces(pool, pieces, into_pool=True) == 2
+    assert torch.equal(pool[0:32], src[0:32]) and torch.equal(pool[40:56], src[32:48])
+    assert int(pool[32:40].sum()) == 0 and int(pool[56:].sum()) == 0
+    back = torch.zeros(64, dtype=torch.uint8)
+    assert copy_pieces(pool, [(0, back, 0, 32), (40, back, 32, 16)], into_pool=False) == 2
+    assert torch.equal(back[:48], src[:48])
+
+
+def test_pieces_of_separate_tensors_are_not_merged_across_storages() -> None:
+    """Two tensors with storages of their own that merely follow each other in memory are copied apart (a merged
+    view would run past the first one's storage)."""
+    memory = bytearray(range(32))
+    first = torch.frombuffer(memoryview(memory)[:16], dtype=torch.uint8)
+    second = torch.frombuffer(memoryview(memory)[16:], dtype=torch.uint8)
+    assert second.data_ptr() == first.data_ptr() + 16  # adjacent, yet two storages
+    pool = torch.zeros(32, dtype=torch.uint8)
+    assert copy_pieces(pool, [(0, first, 0, 16), (16, second, 0, 16)], into_pool=True) == 2
+    assert pool.tolist() == list(range(32))
 
 
 def test_put_many_with_a_repeated_key_keeps_the_last_value() -> None:

@@ -161,15 +161,12 @@ def _bench_disk_load(run: Runner, tier: Any, keys: list[bytes], tier_paths: list
         held.append(out)
         return seconds
 
-    def load_raw() -> float:
-        if cold:
-            drop_page_cache(paths)
-        return run.clocked(read_raw[0])[0]
-
-    def load_raw_streams() -> float:
-        if cold:
-            drop_page_cache(paths)
-        return run.clocked(read_raw[1])[0]
+    def plain(read: Any) -> Any:
+        def measure() -> float:
+            if cold:
+                drop_page_cache(paths)
+            return run.clocked(read)[0]
+        return measure
 
     fresh: list[torch.Tensor] = []
 
@@ -184,8 +181,8 @@ def _bench_disk_load(run: Runner, tier: Any, keys: list[bytes], tier_paths: list
         return run.clocked(read_fresh)[0]
 
     s = run.settings
-    samples = interleave({"kvtier": load, "files": load_raw, "streams": load_raw_streams, "alloc": load_alloc},
-                         s.disk_repeats, s.warmup)
+    samples = interleave({"kvtier": load, "files": plain(read_raw[0]), "streams": plain(read_raw[1]),
+                          "alloc": load_alloc}, s.disk_repeats, s.warmup)
     samples["raw"] = [min(a, b) for a, b in zip(samples["files"], samples["streams"], strict=True)]
     nbytes = chunk_bytes * len(keys)
     each = {name: round(Spread.of([gbps(nbytes, x) for x in samples[name]]).median, 3)

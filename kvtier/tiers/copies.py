@@ -17,7 +17,9 @@ Piece = tuple[int, torch.Tensor, int, int]  # pool byte offset, contiguous tenso
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat ``uint8`` view."""
+    """A contiguous tensor's bytes as a flat ``uint8`` view (the tensor itself when it already is one)."""
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1:
+        return tensor
     return tensor.view(-1).view(torch.uint8)
 
 
@@ -25,7 +27,10 @@ def _side(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor | None:
     """``nbytes`` bytes of memory from byte ``start`` of ``tensor`` on, as ``uint8``; None when they run past the
     end of its storage (a merge with memory that merely happens to follow)."""
     flat = flat_bytes(tensor)
-    if start + nbytes <= flat.numel():
+    size = flat.numel()
+    if start == 0 and nbytes == size:
+        return flat
+    if start + nbytes <= size:
         return flat[start:start + nbytes]
     try:
         return flat.as_strided((nbytes,), (1,), flat.storage_offset() + start)

@@ -81,15 +81,20 @@ class Engine:
         self.work.shutdown()
 
 
+def save_a(eng: Engine) -> KVConnectorOutput:
+    """Prefill request A into blocks A_IDS, finish it, and run the step that saves it; return that step's output."""
+    a = Request("A", TOKENS)
+    eng.sched.get_num_new_matched_tokens(a, 0)
+    eng.run_prefill(a, A_IDS)
+    eng.sched.request_finished(a, A_IDS)
+    eng.work.handle_preemptions(None)
+    return eng.step(SchedulerOutput(finished_req_ids={"A"}))
+
+
 def store_a(tmp: Path, kv: dict[str, torch.Tensor]) -> None:
     eng = Engine(make_cfg(tmp), kv)
     try:
-        a = Request("A", TOKENS)
-        eng.sched.get_num_new_matched_tokens(a, 0)
-        eng.run_prefill(a, A_IDS)
-        eng.sched.request_finished(a, A_IDS)
-        eng.work.handle_preemptions(None)
-        assert eng.step(SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
+        assert save_a(eng).finished_sending == {"A"}
     finally:
         eng.close()
 
@@ -147,12 +152,7 @@ def test_blocks_first_layout_roundtrip(tmp_path: Path) -> None:
     kv = paged(3, layout="blocks_first")
     eng = Engine(make_cfg(tmp_path, ("cpu",)), kv)
     try:
-        a = Request("A", TOKENS)
-        eng.sched.get_num_new_matched_tokens(a, 0)
-        eng.run_prefill(a, A_IDS)
-        eng.sched.request_finished(a, A_IDS)
-        eng.work.handle_preemptions(None)
-        eng.step(SchedulerOutput(finished_req_ids={"A"}))
+        save_a(eng)
         b = Request("B", TOKENS)
         assert eng.sched.get_num_new_matched_tokens(b, 0) == (4 * C, False)
         eng.sched.update_state_after_alloc(b, KVCacheBlocks((B_IDS,)), 4 * C)
@@ -265,12 +265,7 @@ def test_cpu_load_scatters_from_borrowed_views_and_releases_them(tmp_path: Path)
     kv = paged(11)
     eng = Engine(make_cfg(tmp_path, ("cpu",)), kv)
     try:
-        a = Request("A", TOKENS)
-        eng.sched.get_num_new_matched_tokens(a, 0)
-        eng.run_prefill(a, A_IDS)
-        eng.sched.request_finished(a, A_IDS)
-        eng.work.handle_preemptions(None)
-        eng.step(SchedulerOutput(finished_req_ids={"A"}))
+        save_a(eng)
         worker = eng.work._worker
         assert worker is not None
         cpu = worker.store.tier("cpu")

@@ -141,6 +141,14 @@ def run_in_short_lived_thread(fn: Callable[[], None]) -> None:
         raise errors[0]
 
 
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 class SlotPool:
     """Records as raw bytes in fixed-size slots of one tensor. Synchronous; the owning tier adds stats."""
 
@@ -270,12 +278,14 @@ class SlotPool:
             return []
         return self._free.take(need) if self._free is not None else None
 
-    def _pieces(self, runs: Sequence[Run], tensor: torch.Tensor, nbytes: int, pieces: list[Piece]) -> None:
-        """The pieces moving a record's ``nbytes`` between its slot ``runs`` and ``tensor`` (contiguous)."""
+    def _pieces(self, runs: Sequence[Run], tensor: torch.Tensor, nbytes: int, pieces: list[Piece],
+                offset: int = 0) -> None:
+        """The pieces moving a record's ``nbytes`` between its slot ``runs`` and the bytes of ``tensor``
+        (contiguous) from byte ``offset`` on."""
         done, slot = 0, self._slot
         for start, count in runs:
             take = min(count * slot, nbytes - done)
-            pieces.append((start * slot, tensor, done, take))
+            pieces.append((start * slot, tensor, offset + done, take))
             done += take
 
     def get(self, key: Key) -> torch.Tensor | None:
@@ -283,23 +293,49 @@ class SlotPool:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
-        """``get`` of every key, all copies in one call."""
+        """``get`` of every key, all copies in one call. Small pageable results of one call share recycled
+        buffers (``Recycler.take_many``): one that is kept keeps its group's memory (at most 8 MiB)."""
+        recs = [self._map.get(key) for key in keys]
+        found = [rec for rec in recs if rec is not None]
+        places = iter(self._result_places([rec.nbytes for rec in found]))
         pieces: list[Piece] = []
         out: list[torch.Tensor | None] = []
-        for key in keys:
-            rec = self._map.get(key)
+        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (id of a buffer, dtype) -> the buffer so typed
+        strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for rec in recs:
             if rec is None:
                 out.append(None)
                 continue
-            if self._recycler is not None and not self.pin_memory:
-                dst = self._recycler.take(rec.nbytes)
-            else:  # pinned pool, pinned result (cached by CUDA's host allocator): host-to-device copies stay fast
-                dst = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
-            self._pieces(rec.runs, dst, rec.nbytes, pieces)
-            out.append(dst.view(rec.dtype).view(rec.shape))
+            buf, offset = next(places)
+            if not rec.nbytes:
+                out.append(torch.empty(rec.shape, dtype=rec.dtype, device=self.device))
+                continue
+            self._pieces(rec.runs, buf, rec.nbytes, pieces, offset)
+            view = typed.get((id(buf), rec.dtype))
+            if view is None:
+                view = typed[(id(buf), rec.dtype)] = buf.view(rec.dtype)
+            stride = strides.get(rec.shape)
+            if stride is None:
+                stride = strides[rec.shape] = _contiguous_strides(rec.shape)
+            out.append(view.as_strided(rec.shape, stride, offset // view.element_size()))
         if pieces:
             assert self._buf is not None
             copy_pieces(self._buf, pieces, into_pool=False)
+        return out
+
+    def _result_places(self, sizes: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
+        """For each ``get_many`` result, a flat ``uint8`` tensor (storage offset 0) and the byte offset of the
+        result in it. Pageable host results come from the recycler, small ones sharing a buffer."""
+        if self._recycler is None or self.pin_memory:
+            # device results; or pinned ones (cached by CUDA's host allocator): host-to-device copies stay fast
+            return [(torch.empty(n, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory), 0)
+                    for n in sizes]
+        out: list[tuple[torch.Tensor, int]] = []
+        last: tuple[object, torch.Tensor] | None = None
+        for array, offset in self._recycler.take_many(sizes):
+            if last is None or last[0] is not array:
+                last = (array, torch.from_numpy(array))
+            out.append((last[1], offset))
         return out
 
     def read_into(self, key: Key, out: torch.Tensor) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -217,6 +218,31 @@ async def test_get_reuses_memory_of_dropped_results_only() -> None:
     assert again is not None and again.data_ptr() == ptr  # recycled: no fresh memory
     assert again.data_ptr() != held.data_ptr()
     assert_same(held, rand((4096,), seed=1))
+
+
+async def test_small_results_of_one_get_share_a_buffer_yet_stay_independent() -> None:
+    tier = await started(1 << 22, slot_bytes=4096)
+    want = [rand((8, 64), seed=1), rand((3, 5, 7), torch.bfloat16, seed=2), rand((1000,), torch.float16, seed=3),
+            rand((2, 2), torch.float64, seed=4)]
+    await tier.put([(key(i), t) for i, t in enumerate(want)])
+    got = await tier.get([key(0), key(9), key(1), key(2), key(3)])
+    assert got[1] is None
+    hits = [t for t in got if t is not None]
+    for g, w in zip(hits, want, strict=True):
+        assert_same(g, w)
+        assert g.is_contiguous()
+    storages = {t.untyped_storage().data_ptr() for t in hits}
+    assert len(storages) == 1  # one recycled buffer for the whole batch
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in hits)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))  # no overlap
+    hits[0].zero_()
+    for g, w in zip(hits[1:], want[1:], strict=True):
+        assert_same(g, w)
+    first = hits[0].data_ptr()
+    del got, g, hits
+    again = await tier.get([key(0), key(9), key(1), key(2), key(3)])
+    assert again[0] is not None and again[0].data_ptr() == first  # the group came back once all were dropped
+    assert_same(again[0], want[0])
 
 
 def test_adjacent_pieces_are_merged_and_others_kept() -> None:

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kvtier.tiers.recycle import ALIGN, LINE, PAGE_ALIGNED_FROM, Recycler
+from kvtier.tiers.recycle import ALIGN, GROUP_BYTES, GROUP_ITEM_MAX, LINE, PAGE_ALIGNED_FROM, Recycler
 
 
 def test_memory_is_reused_only_after_every_view_is_dropped() -> None:
@@ -81,3 +81,52 @@ def test_an_exactly_full_cap_keeps_every_buffer() -> None:
     assert r.idle_bytes == 8 << 20
     again = [r.take(1 << 20) for _ in range(8)]
     assert r.allocated == 8 and r.reused == 8 and len(again) == 8
+
+
+def test_take_many_groups_small_items_and_gives_large_ones_their_own_buffer() -> None:
+    r = Recycler()
+    sizes = [PAGE_ALIGNED_FROM + 100, 1000, GROUP_ITEM_MAX, 3 * PAGE_ALIGNED_FROM]
+    places = r.take_many(sizes, lead=40)
+    arrays = [a for a, _ in places]
+    assert arrays[0] is arrays[1] and arrays[2] is not arrays[1] and arrays[3] is not arrays[2]
+    assert [o for _, o in places] == [0, PAGE_ALIGNED_FROM + 100 + (-(PAGE_ALIGNED_FROM + 100) % LINE), 0, 0]
+    for (array, offset), size in zip(places, sizes, strict=True):
+        assert offset + size <= array.nbytes
+        align = ALIGN if size >= PAGE_ALIGNED_FROM else LINE
+        assert (array.ctypes.data + offset + 40) % align == 0
+    assert r.allocated == 3  # one per group, one per large item
+    assert arrays[0].nbytes == 1 << 17  # the group's 66664 bytes, rounded up to a power of two
+    assert len(r.take_many([PAGE_ALIGNED_FROM + 100])) == 1 and r.allocated == 4
+    del places, arrays
+    r.take_many([40_000, 30_000])
+    assert r.reused == 1  # a batch of another length reused the group of the same power of two
+
+def test_take_many_starts_a_new_group_when_one_is_full() -> None:
+    r = Recycler()
+    item = GROUP_BYTES // 16
+    places = r.take_many([item] * 33)
+    groups = [a for a, _ in places]
+    assert all(g is groups[0] for g in groups[:16]) and all(g is groups[16] for g in groups[16:32])
+    assert groups[16] is not groups[0] and groups[32] is not groups[16] and groups[32].nbytes == item and groups[0].nbytes == GROUP_BYTES
+    assert [o for _, o in places[14:18]] == [14 * item, 15 * item, 0, item]
+
+
+def test_a_group_is_reused_only_when_every_item_of_it_is_dropped() -> None:
+    r = Recycler()
+    places = r.take_many([4096] * 4)
+    group = places[0][0]
+    ptr = group.ctypes.data
+    tensors = [torch.from_numpy(a)[o:o + 4096] for a, o in places]
+    del places, group
+    for i, t in enumerate(tensors):
+        t.fill_(i)
+    assert [int(t[0]) for t in tensors] == [0, 1, 2, 3]  # the items do not overlap
+    kept = tensors[2]
+    del tensors, t
+    assert r.idle_bytes == 0
+    other = r.take_many([4096] * 4)
+    assert other[0][0].ctypes.data != ptr
+    del kept
+    assert r.idle_bytes == 4 * 4096  # the whole group came back, once
+    again = r.take_many([4096] * 4)
+    assert again[0][0].ctypes.data == ptr and r.idle_bytes == 0

@@ -21,6 +21,7 @@ import io
 import os
 import socket
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,7 +39,7 @@ from kvtier.bench.measure import (
     timed,
     touched,
 )
-from kvtier.tiers.disk import READ_STREAMS
+from kvtier.tiers.disk import READ_STREAMS, SMALL_RECORD
 
 if TYPE_CHECKING:
     from kvtier.bench.throughput import Runner, Settings
@@ -101,9 +102,11 @@ def bench_disk(run: Runner, root: Path, chunk_bytes: int, fsync: bool) -> None:
     async def read_raw() -> None:
         await asyncio.gather(*(asyncio.to_thread(raw_read, p, b) for p, b in zip(paths, bufs, strict=True)))
 
-    async def read_raw_streams() -> None:
-        runs = _split(list(zip(paths, bufs, strict=True)), READ_STREAMS)
-        await asyncio.gather(*(asyncio.to_thread(_read_run, run) for run in runs))
+    def read_raw_loops(loops: int) -> Callable[[], Coroutine[Any, Any, None]]:
+        async def read() -> None:
+            runs = _split(list(zip(paths, bufs, strict=True)), loops)
+            await asyncio.gather(*(asyncio.to_thread(_read_run, run) for run in runs))
+        return read
 
     try:
         def store() -> float:
@@ -123,8 +126,9 @@ def bench_disk(run: Runner, root: Path, chunk_bytes: int, fsync: bool) -> None:
             return  # loads do not depend on the write mode: measured once
         tier_paths = [tier.layout.path(k) for k in keys]
         for cache in ("warm", "cold"):
-            _bench_disk_load(run, tier, keys, tier_paths, paths, (read_raw, read_raw_streams), chunk_bytes, cache,
-                             extra)
+            _bench_disk_load(run, tier, keys, tier_paths, paths,
+                             {"files": read_raw, **{f"loops{n}": read_raw_loops(n) for n in RAW_READ_LOOPS}},
+                             chunk_bytes, cache, extra)
         got = run.call(tier.get(keys[:1]))[0]
         if got is None or not same_bytes(got, src[0]) or not same_bytes(bufs[-1], src[-1]):
             raise RuntimeError("disk round trip returned different bytes")
@@ -143,11 +147,15 @@ def _read_run(run: list[tuple[str, torch.Tensor]]) -> None:
         raw_read(path, buf)
 
 
+RAW_READ_LOOPS = sorted({1, 2, READ_STREAMS})  # plain read loops in this many threads, beside one thread per file
+
+
 def _bench_disk_load(run: Runner, tier: Any, keys: list[bytes], tier_paths: list[str], paths: list[str],
-                     read_raw: tuple[Any, Any], chunk_bytes: int, cache: str, extra: dict[str, Any]) -> None:
-    """Warm or cold ``get`` against the faster, round by round, of two plain ways to read the same files:
-    one ``to_thread`` per file, and ``READ_STREAMS`` threads each reading a run of files in a loop (the fan-out
-    the tier itself uses; the per-file one is faster on some devices for uncached files)."""
+                     read_raw: dict[str, Any], chunk_bytes: int, cache: str, extra: dict[str, Any]) -> None:
+    """Warm or cold ``get`` against the fastest, round by round, of several plain ways to read the same files:
+    one ``to_thread`` per file, and 1, 2 or ``READ_STREAMS`` threads each reading a run of files in a loop (on
+    2 cores, one or two loops are fastest for page-cached files; for uncached ones more reads in flight win on
+    some devices)."""
     cold = cache == "cold"
     held: list[Any] = []
 
@@ -181,17 +189,18 @@ def _bench_disk_load(run: Runner, tier: Any, keys: list[bytes], tier_paths: list
         return run.clocked(read_fresh)[0]
 
     s = run.settings
-    samples = interleave({"kvtier": load, "files": plain(read_raw[0]), "streams": plain(read_raw[1]),
+    samples = interleave({"kvtier": load, **{name: plain(read) for name, read in read_raw.items()},
                           "alloc": load_alloc}, s.disk_repeats, s.warmup)
-    samples["raw"] = [min(a, b) for a, b in zip(samples["files"], samples["streams"], strict=True)]
+    samples["raw"] = [min(round_) for round_ in zip(*(samples[name] for name in read_raw), strict=True)]
     nbytes = chunk_bytes * len(keys)
-    each = {name: round(Spread.of([gbps(nbytes, x) for x in samples[name]]).median, 3)
-            for name in ("files", "streams")}
+    each = {name: round(Spread.of([gbps(nbytes, x) for x in samples[name]]).median, 3) for name in read_raw}
+    loops = "/".join(str(n) for n in RAW_READ_LOOPS)
     run.record("disk", "load", chunk_bytes, len(keys), samples,
-               f"readinto pre-touched buffers, best of one thread per file and {READ_STREAMS} reading loops",
+               f"readinto pre-touched buffers, best of one thread per file and {loops} reading loops",
                cache=cache, raw_gbps_each=each,
                alt=("alloc", "readinto a new torch.empty per file (new memory each round, as get returns)"),
-               **{**extra, "threads": f"{READ_STREAMS} reading loops per get"})
+               **{**extra, "threads": (f"page-cache pass in one call, then up to {READ_STREAMS} reading loops"
+                                       if chunk_bytes < SMALL_RECORD else f"{READ_STREAMS} reading loops per get")})
 
 
 def redis_context(settings: Settings) -> contextlib.AbstractContextManager[str]:

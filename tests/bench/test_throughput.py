@@ -64,6 +64,11 @@ def test_quick_run_covers_every_tier_with_its_raw_limit(tmp_path: Path, capsys: 
             assert r["raw_alt"]["method"] and r["raw_alt"]["gbps"]["median"] > 0
             assert r["raw_alt"]["ratio"] == pytest.approx(r["gbps"]["median"] / r["raw_alt"]["gbps"]["median"], rel=1e-3)
     assert all(r["goal"] == (0.7 if r["tier"] in ("disk", "redis") else 0.8) for r in results)
+    for r in results:
+        if (r["tier"], r["op"]) == ("disk", "load"):  # the limit: the fastest plain read, round by round
+            each = r["raw_gbps_each"]
+            assert set(each) == {"files", "loops1", "loops2", "loops4"}
+            assert r["raw"]["gbps"]["median"] >= max(each.values()) - 1e-3
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "% raw" in table and "redis" in table and "cold" in table

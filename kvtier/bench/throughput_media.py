@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import xxhash
 
 from kvtier.bench.measure import (
     Spread,
@@ -102,10 +103,11 @@ def bench_disk(run: Runner, root: Path, chunk_bytes: int, fsync: bool) -> None:
     async def read_raw() -> None:
         await asyncio.gather(*(asyncio.to_thread(raw_read, p, b) for p, b in zip(paths, bufs, strict=True)))
 
-    def read_raw_loops(loops: int) -> Callable[[], Coroutine[Any, Any, None]]:
+    def read_raw_loops(loops: int, hashed: bool = False) -> Callable[[], Coroutine[Any, Any, None]]:
         async def read() -> None:
             runs = _split(list(zip(paths, bufs, strict=True)), loops)
-            await asyncio.gather(*(asyncio.to_thread(_read_run, run) for run in runs))
+            each = _read_run_hashed if hashed else _read_run
+            await asyncio.gather(*(asyncio.to_thread(each, run) for run in runs))
         return read
 
     try:
@@ -128,6 +130,7 @@ def bench_disk(run: Runner, root: Path, chunk_bytes: int, fsync: bool) -> None:
         for cache in ("warm", "cold"):
             _bench_disk_load(run, tier, keys, tier_paths, paths,
                              {"files": read_raw, **{f"loops{n}": read_raw_loops(n) for n in RAW_READ_LOOPS}},
+                             {f"hashed{n}": read_raw_loops(n, hashed=True) for n in RAW_READ_LOOPS},
                              chunk_bytes, cache, extra)
         got = run.call(tier.get(keys[:1]))[0]
         if got is None or not same_bytes(got, src[0]) or not same_bytes(bufs[-1], src[-1]):
@@ -147,15 +150,24 @@ def _read_run(run: list[tuple[str, torch.Tensor]]) -> None:
         raw_read(path, buf)
 
 
+def _read_run_hashed(run: list[tuple[str, torch.Tensor]]) -> None:
+    """``_read_run``, each file hashed (xxh3-64) right after its read: the check every kvtier read makes."""
+    for path, buf in run:
+        raw_read(path, buf)
+        xxhash.xxh3_64_intdigest(buf.view(torch.uint8).numpy().data)
+
+
 RAW_READ_LOOPS = sorted({1, 2, READ_STREAMS})  # plain read loops in this many threads, beside one thread per file
 
 
 def _bench_disk_load(run: Runner, tier: Any, keys: list[bytes], tier_paths: list[str], paths: list[str],
-                     read_raw: dict[str, Any], chunk_bytes: int, cache: str, extra: dict[str, Any]) -> None:
+                     read_raw: dict[str, Any], read_hashed: dict[str, Any], chunk_bytes: int, cache: str,
+                     extra: dict[str, Any]) -> None:
     """Warm or cold ``get`` against the fastest, round by round, of several plain ways to read the same files:
     one ``to_thread`` per file, and 1, 2 or ``READ_STREAMS`` threads each reading a run of files in a loop (on
     2 cores, one or two loops are fastest for page-cached files; for uncached ones more reads in flight win on
-    some devices)."""
+    some devices). Second baseline (``raw_alt``): the same loops, each file hashed right after its read, so
+    that the cost of the checksum every kvtier read verifies shows apart from the tier's own overhead."""
     cold = cache == "cold"
     held: list[Any] = []
 
@@ -176,29 +188,19 @@ def _bench_disk_load(run: Runner, tier: Any, keys: list[bytes], tier_paths: list
             return run.clocked(read)[0]
         return measure
 
-    fresh: list[torch.Tensor] = []
-
-    async def read_fresh() -> None:
-        fresh.clear()  # free the previous round's buffers, as the tier's caller would
-        fresh.extend(torch.empty(chunk_bytes, dtype=torch.uint8) for _ in paths)
-        await asyncio.gather(*(asyncio.to_thread(raw_read, p, b) for p, b in zip(paths, fresh, strict=True)))
-
-    def load_alloc() -> float:
-        if cold:
-            drop_page_cache(paths)
-        return run.clocked(read_fresh)[0]
-
     s = run.settings
-    samples = interleave({"kvtier": load, **{name: plain(read) for name, read in read_raw.items()},
-                          "alloc": load_alloc}, s.disk_repeats, s.warmup)
+    samples = interleave({"kvtier": load, **{name: plain(read) for name, read in {**read_raw, **read_hashed}.items()}},
+                         s.disk_repeats, s.warmup)
     samples["raw"] = [min(round_) for round_ in zip(*(samples[name] for name in read_raw), strict=True)]
+    samples["hashed"] = [min(round_) for round_ in zip(*(samples[name] for name in read_hashed), strict=True)]
     nbytes = chunk_bytes * len(keys)
-    each = {name: round(Spread.of([gbps(nbytes, x) for x in samples[name]]).median, 3) for name in read_raw}
+    each = {name: round(Spread.of([gbps(nbytes, x) for x in samples[name]]).median, 3)
+            for name in (*read_raw, *read_hashed)}
     loops = "/".join(str(n) for n in RAW_READ_LOOPS)
     run.record("disk", "load", chunk_bytes, len(keys), samples,
                f"readinto pre-touched buffers, best of one thread per file and {loops} reading loops",
                cache=cache, raw_gbps_each=each,
-               alt=("alloc", "readinto a new torch.empty per file (new memory each round, as get returns)"),
+               alt=("hashed", f"the same reads + xxh3 of each file (kvtier's read check), best of {loops} loops"),
                **{**extra, "threads": (f"page-cache pass in one call, then up to {READ_STREAMS} reading loops"
                                        if chunk_bytes < SMALL_RECORD else f"{READ_STREAMS} reading loops per get")})
 

@@ -308,7 +308,8 @@ class SlotPool:
                 continue
             buf, offset = next(places)
             if not rec.nbytes:
-                out.append(torch.empty(rec.shape, dtype=rec.dtype, device=self.device))
+                out.append(torch.empty(rec.shape, dtype=rec.dtype, device=self.device,
+                                       pin_memory=self.pin_memory and self.device.type == "cpu"))
                 continue
             self._pieces(rec.runs, buf, rec.nbytes, pieces, offset)
             view = typed.get((id(buf), rec.dtype))

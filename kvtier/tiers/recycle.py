@@ -97,8 +97,9 @@ class Recycler:
 
         Consecutive items under ``GROUP_ITEM_MAX`` share one array of up to ``GROUP_BYTES`` (each at a multiple of
         its alignment), so a batch of small results costs one take per group instead of one per item (at 256 KiB
-        records, per-item takes and views were a third of a memory tier's ``get``). A group's array is a power of
-        two bytes long, so that batches of different lengths reuse each other's memory. The lifetime rule is the
+        records, per-item takes and views were a third of a memory tier's ``get``). A group's array has a size
+        class (a power of two up to 1 MiB, whole MiB above), so that batches of different lengths reuse each
+        other's memory. The lifetime rule is the
         array's: a group's memory is reused once every item of it (and every view) is gone, so a caller that
         keeps one small result keeps its group's memory (at most ``GROUP_BYTES``).
         """
@@ -108,8 +109,11 @@ class Recycler:
 
         def close_group() -> None:
             if group:
-                # a power-of-two size: batches of different lengths then reuse each other's memory
-                array = self.take_array(1 << (end - 1).bit_length(), lead)
+                # a size class (a power of two up to 1 MiB, whole MiB above): batches of different lengths then
+                # reuse each other's memory, and a group wastes at most half of itself, or 1 MiB
+                mib = GROUP_ITEM_MAX
+                size = 1 << (end - 1).bit_length() if end <= mib else -(-end // mib) * mib
+                array = self.take_array(size, lead)
                 out.extend((array, offset) for offset in group)
                 group.clear()
 

@@ -303,6 +303,38 @@ async def test_a_corrupt_reads_buffer_is_recycled_without_a_gc_pass(tmp_path: Pa
         gc.enable()
 
 
+@pytest.mark.parametrize("answer", [0, errno.EAGAIN, errno.EOPNOTSUPP])
+async def test_read_buffers_come_back_without_a_gc_pass(tmp_path: Path, answer: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the caller drops the results, every read buffer is back at once: no deferred read's error (nor the
+    OSError behind it) and no worker-thread future may still hold one. ``answer``: what a nowait read gets
+    (0: the real page cache)."""
+    import gc
+
+    if answer and not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT here: the cache pass is off")
+    real = os.preadv
+
+    def refusing(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
+        if flags:
+            raise OSError(answer, os.strerror(answer))
+        return real(fd, buffers, offset, flags)
+
+    if answer:
+        monkeypatch.setattr(os, "preadv", refusing)
+    tier = await disk(tmp_path, capacity=1 << 26)
+    await tier.put([(key(i), rand((5000,), seed=i)) for i in range(4)])
+    gc.disable()
+    try:
+        got = await tier.get([key(i) for i in range(4)])
+        assert all(g is not None for g in got)
+        del got
+        assert not tier._buffers._out  # every buffer of both passes is back, no collection needed
+        assert tier._buffers.idle_bytes > 0
+    finally:
+        gc.enable()
+
+
 async def test_records_outside_the_page_cache_are_read_by_waiting_streams(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The page-cache pass defers a record whose read would wait (EAGAIN) or came back short; the waiting pass
@@ -370,6 +402,7 @@ async def test_a_file_system_refusing_nowait_reads_turns_the_cache_pass_off(tmp_
     assert not tier._nowait and tier.stats().extra["reads_waited"] == 5
     again = await tier.get([key(0)])
     assert_same(again[0], rand((5000,), seed=0))
+    assert tier.stats().extra["reads_waited"] == 6 and tier.stats().extra.get("reads_cached", 0) == 0
 
 
 async def test_a_record_rewritten_with_another_size_is_read_whole(tmp_path: Path) -> None:

@@ -130,3 +130,11 @@ def test_a_group_is_reused_only_when_every_item_of_it_is_dropped() -> None:
     assert r.idle_bytes == 4 * 4096  # the whole group came back, once
     again = r.take_many([4096] * 4)
     assert again[0][0].ctypes.data == ptr and r.idle_bytes == 0
+
+
+def test_groups_over_a_mebibyte_round_up_to_whole_mebibytes() -> None:
+    r = Recycler()
+    item = 600 << 10
+    assert r.take_many([item] * 3)[0][0].nbytes == 2 << 20  # 1.76 MiB
+    assert r.take_many([item] * 5)[0][0].nbytes == 3 << 20  # 2.93 MiB: not the 4 MiB of a power of two
+    assert r.take_many([item])[0][0].nbytes == 1 << 20

@@ -295,6 +295,10 @@ def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> Path | No
     return path
 
 
+ALT_LABELS = {"cpu": "new memory + copy", "gpu": "new memory + copy", "disk": "plain reads + xxh3",
+              "redis": "plain-socket client"}
+
+
 def _panel(ax: Any, name: str, rs: Sequence[dict[str, Any]]) -> None:
     """One tier's bars: kvtier, raw and (where measured) the alternative raw baseline, with min-max whiskers."""
     x = range(len(rs))
@@ -308,7 +312,7 @@ def _panel(ax: Any, name: str, rs: Sequence[dict[str, Any]]) -> None:
     if with_alt:
         zero = {"median": 0.0, "min": 0.0, "max": 0.0}
         ax.bar([i + left + 2 * w for i in x], [r.get("raw_alt", {}).get("gbps", zero)["median"] for r in rs], w,
-               label="alt raw (socket / new memory)", alpha=0.6, hatch="//",
+               label=f"alt raw ({ALT_LABELS.get(rs[0]['tier'], 'see raw_alt')})", alpha=0.6, hatch="//",
                yerr=_err(rs, lambda r: r.get("raw_alt", {}).get("gbps", zero)), capsize=2)
     for i, r in zip(x, rs, strict=True):
         ax.annotate(f"{100 * r['ratio']:.0f}%", (i, max(r["gbps"]["max"], r["raw"]["gbps"]["max"])),

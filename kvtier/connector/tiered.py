@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvtier.config import CpuTierConfig, GpuTierConfig, KvtierConfig, load_config
+from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, KvtierConfig, load_config
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.plans import KVTierMetadata
@@ -30,6 +31,18 @@ from kvtier.store import TieredStore, directory_for
 from kvtier.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
+
+
+def rank_local(cfg: KvtierConfig, tp_rank: int, tp_size: int) -> KvtierConfig:
+    """``cfg`` for one tensor-parallel rank: with more than one rank, each disk tier gets its own subdirectory
+    ``tp<rank>-of-<size>`` of the configured path. Every rank stores its own shard of each chunk under its own
+    keys; in one directory, each rank's tier would adopt the others' files at start (its quota counting them,
+    its evictions deleting them). The capacity stays per rank, as for the memory tiers."""
+    if tp_size <= 1:
+        return cfg
+    tiers = tuple(dataclasses.replace(t, path=os.path.join(t.path, f"tp{tp_rank}-of-{tp_size}"))
+                  if isinstance(t, DiskTierConfig) else t for t in cfg.tiers)
+    return dataclasses.replace(cfg, tiers=tiers)
 
 
 def is_scheduler(role: Any) -> bool:
@@ -122,13 +135,16 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
             logger.warning("KVTierConnector got no kv_cache_config: deriving one full-attention group from the "
                            "model config; pass the engine's KVCacheConfig for hybrid models")
             kcc = config_from_vllm_model(self._vllm_config)
-        spaces = namespaces(identity_from(cfg, self._vllm_config, tp_rank=0), kcc, cfg.chunk_size)
+        ident = identity_from(cfg, self._vllm_config, tp_rank=0)
+        spaces = namespaces(ident, kcc, cfg.chunk_size)
         if self._store is not None:
             tiers = {n: self._store.tier(n) for n in self._store.tier_names}
             return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop)
         from kvtier.tiers import make_tier
 
-        built = [make_tier(section, hmac_key=hmac_key(cfg)) for section in cfg.tiers]
+        # the scheduler plans with rank 0's keys, so it sees rank 0's disk directory (the other ranks hold the
+        # same chunks, each its own shard, in theirs)
+        built = [make_tier(section, hmac_key=hmac_key(cfg)) for section in rank_local(cfg, 0, ident.tp_size).tiers]
         directory = directory_for(cfg, built)
         for tier in built:
             if tier.is_memory:
@@ -145,10 +161,11 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
                              loop=self._loop)
 
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
-        if self._store is None:
-            self._store = TieredStore.from_config(cfg, hmac_key=hmac_key(cfg))
-            self._loop.run(self._store.start())
         ident = identity_from(cfg, self._vllm_config, tp_rank=self._worker_tp_rank())
+        if self._store is None:
+            self._store = TieredStore.from_config(rank_local(cfg, ident.tp_rank, ident.tp_size),
+                                                  hmac_key=hmac_key(cfg))
+            self._loop.run(self._store.start())
         return WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size)
 
     def _worker_tp_rank(self) -> int | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pickle
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -195,3 +197,72 @@ def test_write_back_demotes_to_disk_and_loads_from_both(tmp_path: Path) -> None:
     finally:
         sched.shutdown()
         work.shutdown()
+
+
+def tp_engine(cfg: KvtierConfig) -> tuple[KVTierConnector, list[KVTierConnector]]:
+    """A scheduler and the workers of two tensor-parallel ranks, as vLLM builds them (ranks from the engine's
+    parallel config), all with the same kvtier config."""
+    def vllm(rank: int) -> Any:
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, rank=rank), model_config=None)
+
+    sched = KVTierConnector(vllm(0), KVConnectorRole.SCHEDULER, KCC, kvtier_config=cfg)
+    return sched, [KVTierConnector(vllm(r), KVConnectorRole.WORKER, KCC, kvtier_config=cfg) for r in (0, 1)]
+
+
+def test_tensor_parallel_ranks_keep_their_disk_records_apart(tmp_path: Path) -> None:
+    """Each rank stores its own shard of every chunk in its own subdirectory of the disk path; after a restart
+    the scheduler adopts rank 0's records only, and every rank loads its own KV back."""
+    cfg = cfg_for(tmp_path, ("disk",))
+    sched, workers = tp_engine(cfg)
+    kv_a = [paged(KCC, seed=10 + r) for r in (0, 1)]
+    try:
+        for w, kv in zip(workers, kv_a, strict=True):
+            w.register_kv_caches(kv)
+        a = Request("A", A_TOKENS)
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        sched.update_state_after_alloc(a, KVCacheBlocks(A_BLOCKS), 0)
+        meta = pickle.dumps(sched.build_connector_meta(new_req(a, A_BLOCKS, 0)))
+        for w in workers:
+            w.bind_connector_metadata(pickle.loads(meta))
+            w.start_load_kv(None)
+            w.wait_for_save()
+            w.clear_connector_metadata()
+            w.handle_preemptions(None)  # flush: every save of A is done
+    finally:
+        sched.shutdown()
+        for w in workers:
+            w.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp0-of-2", "tp1-of-2"]
+    files = [sorted(p.name for p in (tmp_path / d).rglob("*.kvt")) for d in ("tp0-of-2", "tp1-of-2")]
+    assert len(files[0]) == len(files[1]) == 2 * 5  # both groups, 5 whole chunks of A each
+    assert not set(files[0]) & set(files[1])  # each rank's own keys
+
+    sched, workers = tp_engine(cfg)  # a restart over the same path
+    kv_b = [paged(KCC, seed=20 + r) for r in (0, 1)]
+    try:
+        for w, kv in zip(workers, kv_b, strict=True):
+            w.register_kv_caches(kv)
+        b = Request("B", B_TOKENS)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)
+        sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 4 * C)
+        received: list[set[str]] = [set(), set()]
+        for _ in range(500):
+            meta = pickle.dumps(sched.build_connector_meta(SchedulerOutput()))
+            for r, w in enumerate(workers):
+                w.bind_connector_metadata(pickle.loads(meta))
+                w.start_load_kv(None)
+                w.wait_for_save()
+                _, recving = w.get_finished(set())
+                assert not w.get_block_ids_with_load_errors()
+                received[r] |= recving or set()
+                w.clear_connector_metadata()
+            if all(received):
+                break
+            time.sleep(0.01)
+        assert received == [{"B"}, {"B"}]
+        for r in (0, 1):
+            assert_loaded(kv_a[r], kv_b[r], 8)
+    finally:
+        sched.shutdown()
+        for w in workers:
+            w.shutdown()

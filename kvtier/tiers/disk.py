@@ -144,6 +144,8 @@ def _read_at(fd: int, buf: memoryview, offset: int, flags: int) -> int:
             raise
         deferred = Deferred(unsupported=True)
     raise deferred
+
+
 Place = tuple[np.ndarray, int]  # an array and the byte offset of a record's room in it
 
 

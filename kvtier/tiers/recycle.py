@@ -99,9 +99,9 @@ class Recycler:
         its alignment), so a batch of small results costs one take per group instead of one per item (at 256 KiB
         records, per-item takes and views were a third of a memory tier's ``get``). A group's array has a size
         class (a power of two up to 1 MiB, whole MiB above), so that batches of different lengths reuse each
-        other's memory. The lifetime rule is the
-        array's: a group's memory is reused once every item of it (and every view) is gone, so a caller that
-        keeps one small result keeps its group's memory (at most ``GROUP_BYTES``).
+        other's memory. The lifetime rule is the array's: a group's memory is reused once every item of it (and
+        every view) is gone, so a caller that keeps one small result keeps its group's memory (at most
+        ``GROUP_BYTES``).
         """
         out: list[tuple[np.ndarray, int]] = []
         group: list[int] = []  # offsets of the open group's items

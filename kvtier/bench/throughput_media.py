@@ -40,7 +40,7 @@ from kvtier.bench.measure import (
     timed,
     touched,
 )
-from kvtier.tiers.disk import READ_STREAMS, SMALL_RECORD
+from kvtier.tiers.disk_io import READ_STREAMS, SMALL_RECORD
 
 if TYPE_CHECKING:
     from kvtier.bench.throughput import Runner, Settings

@@ -14,7 +14,8 @@ from kvtier.tiers import TIERS, make_tier, tier_class
 from kvtier.tiers.base import Tier
 from kvtier.tiers.copies import copy_pieces
 from kvtier.tiers.cpu import CpuTier
-from kvtier.tiers.pool import FreeRuns, SlotPool
+from kvtier.tiers.free_runs import FreeRuns
+from kvtier.tiers.pool import SlotPool
 
 
 class TestCpuContract(TierContract):

@@ -21,7 +21,8 @@ from kvtier.config import DiskTierConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers import make_tier
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import READ_PIECE, READ_STREAMS, DiskTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_io import READ_PIECE, READ_STREAMS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,7 +87,8 @@ import asyncio, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from contract import key, rand
 from kvtier.config import DiskTierConfig
-from kvtier.tiers.disk import READ_PIECE, READ_STREAMS, DiskTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_io import READ_PIECE, READ_STREAMS
 async def main():
     t = DiskTier(DiskTierConfig(name="d", capacity=1 << 24, path={str(root)!r}))
     await t.start()

@@ -1,0 +1,232 @@
+"""Record files of the disk tier: atomic writes and verified reads (blocking; the tier runs them in worker threads).
+
+``write_record`` encodes a record into a temp file and renames it into place. ``read_record`` /
+``read_records`` read files into recycled buffers (small records of one call share one), hash each piece as it
+arrives and verify the header, key, checksum and signature; with ``nowait`` (Linux ``RWF_NOWAIT``) a record the
+page cache does not hold entirely raises ``Deferred`` instead of waiting for the device.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from kvtier.codec import (
+    FLAG_LZ4,
+    FLAG_ZSTD,
+    HEADER_SIZE,
+    MAC_BYTES,
+    RecordHeader,
+    decode_header,
+    encode,
+    verify_payload,
+)
+from kvtier.errors import CorruptRecord
+from kvtier.keys import Key
+from kvtier.layout import dtype_name
+from kvtier.tiers.disk_index import Layout
+from kvtier.tiers.recycle import Recycler
+
+
+def _payload_view(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return flat.numpy().data
+
+
+def write_record(layout: Layout, key: Key, tensor: torch.Tensor, compression: str | None,
+                 hmac_key: bytes | None, fsync: bool) -> int:
+    """Encode and atomically write one record (blocking); return the file size. Raises OSError."""
+    parts = encode(key, _payload_view(tensor), dtype_name(tensor.dtype), tuple(tensor.shape),
+                   compression=compression, hmac_key=hmac_key)
+    final = layout.path(key)
+    directory = os.path.dirname(final)
+    layout.make_dirs(directory)
+    tmp = layout.temp_path(final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileNotFoundError:  # the directory was removed behind our back
+        layout.forget_dirs()
+        layout.make_dirs(directory)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        size = _write_all(fd, parts)
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, final)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        _fsync_dir(directory)
+    return size
+
+
+def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> int:
+    total = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            n = os.write(fd, view)
+            total += n
+            view = view[n:]
+    return total
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _new_buffer(nbytes: int, lead: int = 0) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+READ_PIECE = 1 << 20  # read and hash this much at a time: each piece is hashed while still in the CPU cache
+READ_STREAMS = 4  # a get reads in at most this many worker-thread calls, each a run of records of similar bytes
+SMALL_RECORD = 1 << 20  # ``get``: records under this size (on average) first go through the page-cache pass
+NOWAIT_FLAGS = getattr(os, "RWF_NOWAIT", 0)  # Linux: fail a read that would wait for the device (EAGAIN)
+
+
+class Deferred(Exception):
+    """A ``nowait`` read found part of the record outside the page cache (or the file system cannot tell:
+    ``unsupported``): read it again, waiting."""
+
+    def __init__(self, unsupported: bool = False) -> None:
+        super().__init__("not in the page cache" if not unsupported else "RWF_NOWAIT unsupported here")
+        self.unsupported = unsupported
+
+
+def _read_at(fd: int, buf: memoryview, offset: int, flags: int) -> int:
+    """One ``preadv``; with ``RWF_NOWAIT``, raise ``Deferred`` where it would wait or is unsupported (raised
+    after the ``except`` block: raised inside it, the OSError would stay its ``__context__``, and that error's
+    traceback would keep the read buffer alive until a garbage collection)."""
+    try:
+        return os.preadv(fd, [buf], offset, flags)
+    except BlockingIOError:
+        deferred = Deferred()
+    except OSError as exc:
+        if not (flags and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL)):
+            raise
+        deferred = Deferred(unsupported=True)
+    raise deferred
+
+
+Place = tuple[np.ndarray, int]  # an array and the byte offset of a record's room in it
+
+
+def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
+                alloc: Callable[[int, int], np.ndarray] = _new_buffer, place: Place | None = None,
+                room: int = -1, nowait: bool = False) -> tuple[torch.Tensor, int]:
+    """Read and verify one record (blocking); return it and the file size. The file lands at ``place`` when it is
+    exactly ``room`` bytes long, else in ``alloc(n, lead)``, a ``uint8`` array with byte ``lead`` (where the
+    payload starts) page-aligned if it can; the result is a view of that memory. The payload is hashed piece by
+    piece as it arrives (a second pass over a record larger than the CPU cache would cost as much as the read).
+    ``nowait`` (Linux): raise ``Deferred`` instead of waiting for the device. Raises FileNotFoundError,
+    CorruptRecord, Deferred or OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if not HEADER_SIZE <= size <= max_size:
+            raise CorruptRecord(f"file size {size} is outside [{HEADER_SIZE}, {max_size}]")
+        if place is not None and size == room:
+            array, start = place
+        else:
+            array, start = alloc(size, HEADER_SIZE + (MAC_BYTES if hmac_key is not None else 0)), 0
+        view = array.data[start:start + size] if start or array.nbytes != size else array.data
+        flags = NOWAIT_FLAGS if nowait else 0
+        if size <= READ_PIECE:  # the common case: one read, one hash
+            got = _read_at(fd, view, 0, flags)
+            while got < size:
+                if flags:
+                    raise Deferred()
+                n = _read_at(fd, view[got:], got, 0)
+                if not n:
+                    raise CorruptRecord(f"file ended after {got} of {size} bytes")
+                got += n
+            header = decode_header(view, expected_key=key, max_raw=max_size)
+            digest: int | None = xxhash.xxh3_64_intdigest(view[header.prefix_len:])
+        else:
+            header, digest = _read_pieces(fd, view, key, max_size, flags)
+    finally:
+        os.close(fd)
+    payload = verify_payload(view, header, hmac_key=hmac_key, payload_digest=digest)
+    # a tensor over the array itself (torch.frombuffer keeps that very object alive), not over a numpy slice
+    # of it: a slice's ``base`` is the memory owner, so it would let the array die (and its memory be
+    # recycled) while the tensor is still in use
+    dtype = getattr(torch, header.dtype)
+    if header.raw_len == 0:
+        return torch.empty(header.shape, dtype=dtype), size
+    count = header.raw_len // dtype.itemsize
+    if header.flags & (FLAG_LZ4 | FLAG_ZSTD):
+        raw = alloc(header.raw_len, 0)
+        raw[:] = np.frombuffer(payload, dtype=np.uint8)
+        return torch.frombuffer(raw, dtype=dtype, count=count).view(header.shape), size
+    # stored raw: the payload stays in the read buffer
+    return torch.frombuffer(array, dtype=dtype, offset=start + header.prefix_len, count=count).view(header.shape), size
+
+
+def _read_pieces(fd: int, view: memoryview, key: Key, max_size: int, flags: int) -> tuple[RecordHeader, int | None]:
+    """Read a record larger than ``READ_PIECE`` into ``view`` in equal pieces, hashing each as it arrives;
+    return its header and payload digest (None when a short read left the hashing behind: verify hashes)."""
+    size = view.nbytes
+    header: RecordHeader | None = None
+    hasher = xxhash.xxh3_64()
+    piece = -(-size // -(-size // READ_PIECE))  # equal pieces, at most READ_PIECE
+    got = hashed = 0  # bytes read; bytes hashed up to (from the payload start on)
+    while got < size:
+        want = view[got:got + piece]
+        n = _read_at(fd, want, got, flags)
+        if n < want.nbytes and flags:
+            raise Deferred()
+        if not n:
+            raise CorruptRecord(f"file ended after {got} of {size} bytes")
+        got += n
+        if header is None and got >= HEADER_SIZE:  # the header tells where the payload starts
+            header = decode_header(view, expected_key=key, max_raw=max_size)
+            hashed = header.prefix_len
+        if header is not None and got > hashed:
+            hasher.update(view[hashed:got])
+            hashed = got
+    assert header is not None  # size >= HEADER_SIZE
+    return header, hasher.intdigest() if hashed == size else None
+
+
+ReadResult = tuple[torch.Tensor, int] | BaseException
+
+
+def read_records(paths: Sequence[str], keys: Sequence[Key], hmac_key: bytes | None, max_size: int,
+                 alloc: Callable[[int, int], np.ndarray], recycler: Recycler | None = None,
+                 sizes: Sequence[int] | None = None, nowait: bool = False) -> list[ReadResult]:
+    """``read_record`` for several records in one blocking call; a failure (``Deferred`` included) is returned in
+    its place, without its traceback. With ``recycler`` and the expected file ``sizes``, small records share buffers
+    (``Recycler.take_many``); a file of another size gets its own."""
+    lead = HEADER_SIZE + (MAC_BYTES if hmac_key is not None else 0)
+    places: Sequence[Place | None] = (recycler.take_many(sizes, lead) if recycler is not None and sizes is not None
+                                      else [None] * len(paths))
+    rooms = sizes if sizes is not None else [-1] * len(paths)
+    out: list[ReadResult] = []
+    for path, key, place, room in zip(paths, keys, places, rooms, strict=True):
+        try:
+            out.append(read_record(path, key, hmac_key, max_size, alloc, place, room, nowait))
+        except (OSError, CorruptRecord, Deferred) as exc:
+            # without its traceback or chained errors: the frames they hold (this one, whose list holds the
+            # exception, and the read's, which holds the buffer) would keep the read buffer from being recycled
+            # until a GC cycle
+            exc.__cause__ = exc.__context__ = None
+            out.append(exc.with_traceback(None))
+    return out

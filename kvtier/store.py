@@ -225,8 +225,10 @@ class TieredStore:
         written = iter(await self.write(dst, present)) if present else iter(())
         return [next(written) if v is not None else False for v in values]
 
-    async def execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor]) -> dict[str, int]:
-        """Run store plans in order, completing each in the directory; return stored counts per tier.
+    async def execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor],
+                      failed: list[tuple[str, Key]] | None = None) -> dict[str, int]:
+        """Run store plans in order, completing each in the directory; return stored counts per tier, and add
+        every (tier, key) not stored to ``failed`` when given.
 
         Every plan runs: one that raises (a failing medium, a failed ``source`` move) is logged and completed
         as failed, so its keys never stay PENDING, and the next plans still run."""
@@ -236,10 +238,12 @@ class TieredStore:
                 ok = await self._run_plan(plan, payloads)
             except Exception:
                 logger.exception("store plan for tier %s failed (%d keys)", plan.tier, len(plan.store))
-                self.directory.complete_store(plan.tier, plan.store, False)
-                continue
+                ok = [False] * len(plan.store)
+            else:
+                stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)
             self.directory.complete_store(plan.tier, plan.store, ok)
-            stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)
+            if failed is not None:
+                failed.extend((plan.tier, k) for k, done in zip(plan.store, ok, strict=True) if not done)
         return stored
 
     async def _run_plan(self, plan: StorePlan, payloads: Mapping[Key, torch.Tensor]) -> list[bool]:

@@ -189,7 +189,9 @@ async def test_failing_plan_completes_and_later_plans_run() -> None:
     plans = [*store.directory.prepare_store("broken", [(third[0][0], NBYTES, None)]),
              *store.directory.prepare_store("cpu", [(third[0][0], NBYTES, None)])]
     assert [p.tier for p in plans] == ["broken", "cpu"]
-    assert await store.execute(plans, dict(third)) == {"cpu": 1}
+    failed: list[tuple[str, bytes]] = []
+    assert await store.execute(plans, dict(third), failed) == {"cpu": 1}
+    assert failed == [("broken", third[0][0])]  # what the worker reports to the scheduler
     assert store.directory.used_bytes("broken") == 0 and not store.directory.contains("broken", third[0][0])
     got = await store.get([third[0][0]])
     assert got[0] is not None and torch.equal(got[0], third[0][1])

@@ -52,7 +52,8 @@ class KVConnectorHandshakeMetadata:
 
 @dataclass
 class KVConnectorStats:
-    """Serializable stats: ``data`` is plain numbers keyed by name."""
+    """Serializable stats: ``data`` is plain numbers keyed by name, and lists of plain rows (e.g. kvtier's
+    ``failed_saves``: ``[request id, tier, key hex]``); aggregating sums the numbers and joins the lists."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -61,8 +62,11 @@ class KVConnectorStats:
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
+            mine = self.data.get(key)
             if isinstance(value, (int, float)):
-                self.data[key] = self.data.get(key, 0) + value
+                self.data[key] = (mine or 0) + value
+            elif isinstance(value, list) and isinstance(mine, list):
+                self.data[key] = mine + value
             else:
                 self.data[key] = value
         return self

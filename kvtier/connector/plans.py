@@ -12,6 +12,8 @@ from kvtier.connector.base import KVConnectorMetadata
 from kvtier.directory import StorePlan
 from kvtier.keys import Key
 
+FAILED_SAVES = "failed_saves"  # worker stats entry: [request id, tier, key hex] of every chunk a save did not store
+
 
 @dataclass(frozen=True)
 class LoadSpec:

@@ -24,7 +24,7 @@ from typing import Any
 from kvtier.config import KvtierConfig, TierKind, WritePolicy
 from kvtier.connector.hits import GroupNeed, best_hit, chunk_alignment, hit_limit
 from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
-from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.plans import FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.directory import Directory, StorePlan
 from kvtier.keys import Key
 from kvtier.layout import GroupKind, KVCacheConfig, SlidingWindowSpec
@@ -63,6 +63,25 @@ def _tokens(source: Any) -> Sequence[int]:
     return tokens if tokens is not None else (source.prompt_token_ids or ())
 
 
+
+def failed_saves(stats: Any) -> list[tuple[str, str, Key]]:
+    """(request id, tier, key) of every chunk the workers reported not stored (``failed_saves`` rows of the
+    stats; a MultiConnector's stats hold each child's stats by class name)."""
+    data = getattr(stats, "data", None)
+    if not isinstance(data, dict):
+        return []
+    rows = data.get(FAILED_SAVES)
+    if rows is None:
+        return [row for child in data.values() if hasattr(child, "data") for row in failed_saves(child)]
+    out: list[tuple[str, str, Key]] = []
+    for row in rows:
+        try:
+            req_id, tier, key = row
+            out.append((str(req_id), str(tier), bytes.fromhex(key)))
+        except (TypeError, ValueError):
+            logger.warning("ignoring a malformed failed-save row %r", row)
+    return out
+
 class SchedulerHalf:
     """Lookups, load plans and save plans over a directory of the local tiers (+ shared tiers for lookups)."""
 
@@ -84,6 +103,7 @@ class SchedulerHalf:
         self._sync_pins: list[tuple[str, list[Key]]] = []
         self._async_pins: dict[str, list[tuple[str, list[Key]]]] = {}
         self._saving: dict[str, list[tuple[str, Key]]] = {}
+        self._save_failures: dict[str, set[tuple[str, Key]]] = {}  # reported by workers, until the save finishes
         self._load_blocks: dict[int, tuple[str, Key]] = {}
         self._req_load_blocks: dict[str, list[int]] = {}
 
@@ -313,13 +333,19 @@ class SchedulerHalf:
 
     # ---- worker feedback and request end ---------------------------------------------------------------
     def update_connector_output(self, output: Any) -> None:
-        """Finished saves become READY, finished async loads release their pins, failed chunks are dropped."""
+        """Finished saves become READY (those a worker reported failed are forgotten), finished async loads
+        release their pins, chunks that failed to load are dropped."""
+        for req_id, tier, key in failed_saves(getattr(output, "kv_connector_stats", None)):
+            self._save_failures.setdefault(req_id, set()).add((tier, key))
         for req_id in output.finished_sending or ():
-            done: dict[str, list[Key]] = {}
+            failures = self._save_failures.pop(req_id, set())
+            done: dict[tuple[str, bool], list[Key]] = {}
             for tier, key in self._saving.pop(req_id, []):
-                done.setdefault(tier, []).append(key)
-            for tier, keys in done.items():
-                self.directory.complete_store(tier, keys, True)
+                done.setdefault((tier, (tier, key) not in failures), []).append(key)
+            for (tier, ok), keys in done.items():
+                self.directory.complete_store(tier, keys, ok)
+                if not ok:
+                    logger.warning("%d chunk(s) of %s were not stored in tier %s; forgotten", len(keys), req_id, tier)
         for req_id in output.finished_recving or ():
             for tier, keys in self._async_pins.pop(req_id, []):
                 self.directory.unpin(tier, keys)

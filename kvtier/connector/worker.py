@@ -25,12 +25,12 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.connector.base import KVConnectorStats
 from kvtier.connector.keying import Identity, namespaces, rank_key
-from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.plans import FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.directory import StorePlan
 from kvtier.errors import ConnectorError
 from kvtier.keys import Key
@@ -87,20 +87,28 @@ def _check_shape(name: str, tensor: torch.Tensor, layout: KVLayout, group: KVCac
 
 
 class _Stats:
-    """Thread-safe counters (loads run on the caller's thread, saves on the I/O loop)."""
+    """Thread-safe counters and failed-save rows (loads run on the caller's thread, saves on the I/O loop)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[str, float] = {}
+        self._failed: list[list[str]] = []
 
     def add(self, **values: float) -> None:
         with self._lock:
             for name, value in values.items():
                 self._data[name] = self._data.get(name, 0) + value
 
-    def take(self) -> dict[str, float]:
+    def fail(self, rows: Iterable[list[str]]) -> None:
         with self._lock:
-            data, self._data = self._data, {}
+            self._failed.extend(rows)
+
+    def take(self) -> dict[str, Any]:
+        with self._lock:
+            data: dict[str, Any] = dict(self._data)
+            if self._failed:
+                data[FAILED_SAVES] = self._failed
+            self._data, self._failed = {}, []
         return data
 
 
@@ -121,6 +129,7 @@ class WorkerHalf:
         self._meta: KVTierMetadata | None = None
         self._recving: dict[str, tuple[list[LoadSpec], concurrent.futures.Future[list[Reads]]]] = {}
         self._saves: dict[str, list[concurrent.futures.Future[None]]] = {}
+        self._save_specs: dict[concurrent.futures.Future[None], SaveSpec] = {}
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self._save_lock = asyncio.Lock()
@@ -286,7 +295,8 @@ class WorkerHalf:
         for spec in meta.saves:
             items = {self._key(spec.group, k): payloads[(spec.group, k)] for k in spec.keys}
             plans = [self._plan(spec.group, p) for p in spec.plans]
-            future = self._loop.submit(self._execute(plans, items))
+            future = self._loop.submit(self._execute(spec, plans, items))
+            self._save_specs[future] = spec
             if self._memory_only(plans) and not self._saving():
                 self._bound_saves([future])
             self._saves.setdefault(spec.req_id, []).append(future)
@@ -314,18 +324,35 @@ class WorkerHalf:
             out.update(((group, k), data[i]) for i, k in enumerate(keys))
         return out
 
-    async def _execute(self, plans: Sequence[StorePlan], items: Mapping[Key, torch.Tensor]) -> None:
+    async def _execute(self, spec: SaveSpec, plans: Sequence[StorePlan], items: Mapping[Key, torch.Tensor]) -> None:
         async with self._save_lock:  # plans run in step order: an eviction never overtakes an earlier write
             t0 = time.perf_counter()
+            failed: list[tuple[str, Key]] = []
             try:
-                stored = await self.store.execute(plans, items)
+                stored = await self.store.execute(plans, items, failed)
             except Exception as exc:  # a failed save is a future miss, never an engine failure
                 logger.warning("save failed: %r", exc)
                 self._stats.add(save_failures=len(items))
+                self._report_failed(spec)
                 return
+            if failed:
+                self._report_failed(spec, plans, failed)
             nbytes = sum(t.numel() * t.element_size() for t in items.values())
             self._stats.add(save_chunks=sum(stored.values()), save_bytes=nbytes,
                             save_seconds=time.perf_counter() - t0)
+
+    def _report_failed(self, spec: SaveSpec, plans: Sequence[StorePlan] | None = None,
+                       failed: Sequence[tuple[str, Key]] = ()) -> None:
+        """Tell the scheduler (through the stats) which chunks of ``spec`` were not stored, under the keys it
+        planned with (rank 0's): ``failed`` among this rank's ``plans``, or, without plans, all of them. The
+        scheduler then forgets them instead of marking them READY, so no later lookup counts on them."""
+        if plans is None:
+            rows = [[spec.req_id, tier, key.hex()] for tier, key in spec.stored_keys()]
+        else:
+            planned = {(mine.tier, k): key for theirs, mine in zip(spec.plans, plans, strict=True)
+                       for key, k in zip(theirs.store, mine.store, strict=True)}
+            rows = [[spec.req_id, tier, planned[(tier, k)].hex()] for tier, k in failed if (tier, k) in planned]
+        self._stats.fail(rows)
 
     def handle_preemptions(self) -> None:
         """Wait until every pending save is done (the preempted blocks are about to be reused)."""
@@ -341,6 +368,9 @@ class WorkerHalf:
             self._stats.add(save_timeouts=len(late))
             for future in late:
                 future.cancel()
+                spec = self._save_specs.get(future)
+                if spec is not None:
+                    self._report_failed(spec)
 
     # ---- reports ---------------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -365,7 +395,8 @@ class WorkerHalf:
             if all(f.done() for f in self._saves[req_id]):
                 sending.add(req_id)
                 self._finished.discard(req_id)
-                del self._saves[req_id]
+                for done in self._saves.pop(req_id):
+                    self._save_specs.pop(done, None)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -16,6 +16,7 @@ import torch
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, WritePolicy
 from kvtier.connector.base import KVConnectorRole
+from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.tiered import KVTierConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
 from kvtier.layout import KVCacheConfig, simple_config
@@ -266,3 +267,49 @@ def test_tensor_parallel_ranks_keep_their_disk_records_apart(tmp_path: Path) -> 
         sched.shutdown()
         for w in workers:
             w.shutdown()
+
+
+def test_a_save_the_worker_could_not_store_is_forgotten_by_the_scheduler(tmp_path: Path) -> None:
+    """The worker's disk tier cannot write (a file stands where a namespace directory goes): the worker reports
+    the chunks in its stats, the scheduler forgets them instead of marking them READY, and a request sharing the
+    prefix misses instead of planning a load that would fail."""
+    cfg = cfg_for(tmp_path, ("disk",))
+    for space in namespaces(identity_from(cfg, None, tp_rank=0), KCC, C):
+        (tmp_path / space.hex()).write_bytes(b"not a directory")
+    sched = KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
+    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
+    try:
+        work.register_kv_caches(paged(KCC, seed=4))
+        a = Request("A", A_TOKENS)
+        sched.get_num_new_matched_tokens(a, 0)
+        sched.update_state_after_alloc(a, KVCacheBlocks(A_BLOCKS), 0)
+        outs = [step(sched, work, new_req(a, A_BLOCKS, 0))]
+        assert sched.request_finished_all_groups(a, A_BLOCKS) == (True, None)
+        work.handle_preemptions(None)
+        outs.append(step(sched, work, SchedulerOutput(finished_req_ids={"A"})))
+        assert outs[-1].finished_sending == {"A"}
+        reported = [row for out in outs if out.kv_connector_stats is not None
+                    for row in out.kv_connector_stats.data.get("failed_saves", [])]
+        assert len(reported) == 2 * 5 and {row[0] for row in reported} == {"A"}  # both groups, 5 chunks each
+        b = Request("B", B_TOKENS)
+        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+    finally:
+        sched.shutdown()
+        work.shutdown()
+
+
+def test_failed_save_rows_survive_aggregation_and_multi_connector_nesting() -> None:
+    from kvtier.connector.base import KVConnectorStats
+    from kvtier.connector.multi import MultiConnectorStats
+    from kvtier.connector.scheduler import failed_saves
+
+    key = bytes(range(32))
+    rank0 = KVConnectorStats({"save_chunks": 2, "failed_saves": [["A", "disk", key.hex()]]})
+    rank1 = KVConnectorStats({"save_chunks": 1, "failed_saves": [["B", "cpu", key.hex()]]})
+    merged = rank0.aggregate(rank1)
+    assert merged.data["save_chunks"] == 3 and merged.reduce() == {"save_chunks": 3}
+    assert failed_saves(merged) == [("A", "disk", key), ("B", "cpu", key)]
+    nested = MultiConnectorStats({"KVTierConnector": merged, "Other": KVConnectorStats({"loads": 1})})
+    assert failed_saves(nested) == [("A", "disk", key), ("B", "cpu", key)]
+    assert failed_saves(KVConnectorStats({"failed_saves": [["A", "disk"], ["B", "disk", "zz"]]})) == []
+    assert failed_saves(None) == []

@@ -12,7 +12,7 @@ from kvtier.connector.base import KVConnectorMetadata
 from kvtier.directory import StorePlan
 from kvtier.keys import Key
 
-FAILED_SAVES = "failed_saves"  # worker stats entry: [request id, tier, key hex] of every chunk a save did not store
+FAILED_SAVES = "failed_saves"  # worker stats entry: [request id, tier, key hex, tp rank] per chunk not stored
 
 
 @dataclass(frozen=True)

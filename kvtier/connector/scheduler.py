@@ -64,20 +64,20 @@ def _tokens(source: Any) -> Sequence[int]:
 
 
 
-def failed_saves(stats: Any) -> list[tuple[str, str, Key]]:
-    """(request id, tier, key) of every chunk the workers reported not stored (``failed_saves`` rows of the
-    stats; a MultiConnector's stats hold each child's stats by class name)."""
+def failed_saves(stats: Any) -> list[tuple[str, str, Key, str]]:
+    """(request id, tier, key, rank) of every chunk the workers reported not stored (``failed_saves`` rows of
+    the stats; a MultiConnector's stats hold each child's stats by class name)."""
     data = getattr(stats, "data", None)
     if not isinstance(data, dict):
         return []
     rows = data.get(FAILED_SAVES)
     if rows is None:
         return [row for child in data.values() if hasattr(child, "data") for row in failed_saves(child)]
-    out: list[tuple[str, str, Key]] = []
+    out: list[tuple[str, str, Key, str]] = []
     for row in rows:
         try:
-            req_id, tier, key = row
-            out.append((str(req_id), str(tier), bytes.fromhex(key)))
+            req_id, tier, key, rank = row
+            out.append((str(req_id), str(tier), bytes.fromhex(key), str(rank)))
         except (TypeError, ValueError):
             logger.warning("ignoring a malformed failed-save row %r", row)
     return out
@@ -86,7 +86,11 @@ class SchedulerHalf:
     """Lookups, load plans and save plans over a directory of the local tiers (+ shared tiers for lookups)."""
 
     def __init__(self, cfg: KvtierConfig, kcc: KVCacheConfig, spaces: Sequence[bytes], *, directory: Directory,
-                 tiers: Mapping[str, Tier], loop: LoopThread | None = None) -> None:
+                 tiers: Mapping[str, Tier], loop: LoopThread | None = None, tp_size: int = 1,
+                 save_reports: bool = True) -> None:
+        """``tp_size``: how many worker ranks save each chunk (a chunk is forgotten when all of them report it
+        not stored). ``save_reports=False`` when ``directory`` is the workers' own store's (one process): the
+        store has already completed every write there, failed ones included."""
         chunk_alignment(cfg.chunk_size, [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
         self.cfg, self.kcc, self.directory = cfg, kcc, directory
         self._spaces = list(spaces)
@@ -103,7 +107,10 @@ class SchedulerHalf:
         self._sync_pins: list[tuple[str, list[Key]]] = []
         self._async_pins: dict[str, list[tuple[str, list[Key]]]] = {}
         self._saving: dict[str, list[tuple[str, Key]]] = {}
-        self._save_failures: dict[str, set[tuple[str, Key]]] = {}  # reported by workers, until the save finishes
+        # (tier, key) -> ranks that reported it not stored, per request, until the request's saves finish
+        self._save_failures: dict[str, dict[tuple[str, Key], set[str]]] = {}
+        self._tp_size = max(1, tp_size)
+        self._save_reports = save_reports
         self._load_blocks: dict[int, tuple[str, Key]] = {}
         self._req_load_blocks: dict[str, list[int]] = {}
 
@@ -335,13 +342,18 @@ class SchedulerHalf:
     def update_connector_output(self, output: Any) -> None:
         """Finished saves become READY (those a worker reported failed are forgotten), finished async loads
         release their pins, chunks that failed to load are dropped."""
-        for req_id, tier, key in failed_saves(getattr(output, "kv_connector_stats", None)):
-            self._save_failures.setdefault(req_id, set()).add((tier, key))
+        if self._save_reports:
+            for req_id, tier, key, rank in failed_saves(getattr(output, "kv_connector_stats", None)):
+                if req_id in self._saving:  # late rows (a save cancelled after a timeout) are ignored
+                    self._save_failures.setdefault(req_id, {}).setdefault((tier, key), set()).add(rank)
         for req_id in output.finished_sending or ():
-            failures = self._save_failures.pop(req_id, set())
+            failures = self._save_failures.pop(req_id, {})
             done: dict[tuple[str, bool], list[Key]] = {}
             for tier, key in self._saving.pop(req_id, []):
-                done.setdefault((tier, (tier, key) not in failures), []).append(key)
+                # forgotten only when no rank holds it: a chunk some ranks stored stays tracked (evictable);
+                # the failed rank's load of it is reported and recomputed
+                ok = len(failures.get((tier, key), ())) < self._tp_size
+                done.setdefault((tier, ok), []).append(key)
             for (tier, ok), keys in done.items():
                 self.directory.complete_store(tier, keys, ok)
                 if not ok:

@@ -103,6 +103,12 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
                  kvtier_config: KvtierConfig | None = None, store: TieredStore | None = None,
                  loop: LoopThread | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        pipeline = int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
+        if pipeline > 1:
+            # each stage's workers hold other layers under the same chunk hashes; keys and disk directories
+            # would have to carry the stage, which they do not yet
+            raise ConnectorError(f"kvtier does not support pipeline parallelism (pipeline_parallel_size="
+                                 f"{pipeline}); run with pipeline_parallel_size 1 (tensor parallelism is supported)")
         kcc = from_vllm(kv_cache_config) if kv_cache_config is not None else None
         cfg = with_pool_slots(kvtier_config if kvtier_config is not None else config_from_engine(vllm_config), kcc)
         self.kvtier_config = cfg
@@ -139,7 +145,8 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
         spaces = namespaces(ident, kcc, cfg.chunk_size)
         if self._store is not None:
             tiers = {n: self._store.tier(n) for n in self._store.tier_names}
-            return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop)
+            return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop,
+                                 save_reports=False)
         from kvtier.tiers import make_tier
 
         # the scheduler plans with rank 0's keys, so it sees rank 0's disk directory (the other ranks hold the
@@ -158,7 +165,7 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
             if not tier.is_shared:
                 directory.adopt(tier.name, ((e.key, e.size) for e in tier.entries()))
         return SchedulerHalf(cfg, kcc, spaces, directory=directory, tiers={t.name: t for t in built},
-                             loop=self._loop)
+                             loop=self._loop, tp_size=ident.tp_size)
 
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
         ident = identity_from(cfg, self._vllm_config, tp_rank=self._worker_tp_rank())

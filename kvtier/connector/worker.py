@@ -129,7 +129,6 @@ class WorkerHalf:
         self._meta: KVTierMetadata | None = None
         self._recving: dict[str, tuple[list[LoadSpec], concurrent.futures.Future[list[Reads]]]] = {}
         self._saves: dict[str, list[concurrent.futures.Future[None]]] = {}
-        self._save_specs: dict[concurrent.futures.Future[None], SaveSpec] = {}
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self._save_lock = asyncio.Lock()
@@ -296,7 +295,6 @@ class WorkerHalf:
             items = {self._key(spec.group, k): payloads[(spec.group, k)] for k in spec.keys}
             plans = [self._plan(spec.group, p) for p in spec.plans]
             future = self._loop.submit(self._execute(spec, plans, items))
-            self._save_specs[future] = spec
             if self._memory_only(plans) and not self._saving():
                 self._bound_saves([future])
             self._saves.setdefault(spec.req_id, []).append(future)
@@ -344,14 +342,17 @@ class WorkerHalf:
     def _report_failed(self, spec: SaveSpec, plans: Sequence[StorePlan] | None = None,
                        failed: Sequence[tuple[str, Key]] = ()) -> None:
         """Tell the scheduler (through the stats) which chunks of ``spec`` were not stored, under the keys it
-        planned with (rank 0's): ``failed`` among this rank's ``plans``, or, without plans, all of them. The
-        scheduler then forgets them instead of marking them READY, so no later lookup counts on them."""
+        planned with (rank 0's), with this worker's tensor-parallel rank: ``failed`` among this rank's
+        ``plans``, or, without plans (the whole save raised), all of them. The scheduler forgets a chunk every
+        rank failed instead of marking it READY, so no later lookup counts on it."""
+        rank = str(self._identity.tp_rank if self._identity is not None else 0)
         if plans is None:
-            rows = [[spec.req_id, tier, key.hex()] for tier, key in spec.stored_keys()]
+            rows = [[spec.req_id, tier, key.hex(), rank] for tier, key in spec.stored_keys()]
         else:
             planned = {(mine.tier, k): key for theirs, mine in zip(spec.plans, plans, strict=True)
                        for key, k in zip(theirs.store, mine.store, strict=True)}
-            rows = [[spec.req_id, tier, planned[(tier, k)].hex()] for tier, k in failed if (tier, k) in planned]
+            rows = [[spec.req_id, tier, planned[(tier, k)].hex(), rank] for tier, k in failed
+                    if (tier, k) in planned]
         self._stats.fail(rows)
 
     def handle_preemptions(self) -> None:
@@ -367,10 +368,7 @@ class WorkerHalf:
             logger.warning("%d save(s) did not finish within %.1fs: dropped", len(late), self.wait_timeout_s)
             self._stats.add(save_timeouts=len(late))
             for future in late:
-                future.cancel()
-                spec = self._save_specs.get(future)
-                if spec is not None:
-                    self._report_failed(spec)
+                future.cancel()  # not reported as failed: part of it may be stored (the scheduler learns on load)
 
     # ---- reports ---------------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -395,8 +393,7 @@ class WorkerHalf:
             if all(f.done() for f in self._saves[req_id]):
                 sending.add(req_id)
                 self._finished.discard(req_id)
-                for done in self._saves.pop(req_id):
-                    self._save_specs.pop(done, None)
+                del self._saves[req_id]
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

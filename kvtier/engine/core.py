@@ -175,7 +175,8 @@ class Engine:
             result = self.runner.execute(out, self.scheduler.requests)
         kco = result.kv_connector_output
         if kco is not None and isinstance(kco.kv_connector_stats, KVConnectorStats):
-            self.stats.aggregate(kco.kv_connector_stats)
+            # run totals: the numbers (rows such as failed_saves are for the scheduler, this step only)
+            self.stats.aggregate(KVConnectorStats(kco.kv_connector_stats.reduce()))
         self.num_steps += 1
         self.last_scheduled = sum(out.num_scheduled_tokens.values())
         return self.scheduler.update_from_output(out, result)

@@ -3,9 +3,10 @@
 Layout: ``<root>/<namespace hex>/<aa>/<bb>/<key hex>.kvt`` (``shard_depth`` levels of two hex digits taken
 from the chunk hash), every directory mode 0700. Writers create ``<key hex>.kvt.<pid>.<random>.tmp`` in the
 target directory and ``os.replace`` it, so a record file is either absent or complete. The scan (blocking:
-run it in a worker thread) removes stale temp files, deletes files whose header is invalid or whose size
-disagrees with the header, moves records found at another shard depth, and returns the valid ones oldest
-first.
+run it in a worker thread) walks the namespace directories only (the root may hold other tiers' directories,
+e.g. tensor-parallel ranks' ``tp<rank>-of-<size>``), removes stale temp files, deletes files whose header is
+invalid or whose size disagrees with the header, moves records found at another shard depth, and returns the
+valid ones oldest first.
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ def _check_record(path: str, key: Key, size: int, max_raw: int) -> None:
         raise CorruptRecord(f"file is {size} bytes, header says {header.total_len}")
 
 
+def _is_namespace(name: str) -> bool:
+    """A directory name that is a namespace digest in hex."""
+    if len(name) != 2 * DIGEST_BYTES:
+        return False
+    try:
+        bytes.fromhex(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _key_of(name: str) -> Key | None:
     stem = name[:-len(SUFFIX)]
     try:
@@ -128,7 +140,12 @@ def scan(layout: Layout, max_raw: int) -> ScanResult:
     now = time.time()
     if not os.path.isdir(layout.root):
         return result
-    for dirpath, _dirs, files in os.walk(layout.root):
+    for dirpath, dirs, files in os.walk(layout.root):
+        if dirpath == layout.root:
+            # only namespace directories: other entries (e.g. the tp<rank>-of-<size> directories of tensor-
+            # parallel ranks sharing the configured path) belong to other tiers
+            dirs[:] = [d for d in dirs if _is_namespace(d)]
+            continue
         for name in files:
             path = os.path.join(dirpath, name)
             if name.endswith(TMP_SUFFIX):

@@ -304,12 +304,94 @@ def test_failed_save_rows_survive_aggregation_and_multi_connector_nesting() -> N
     from kvtier.connector.scheduler import failed_saves
 
     key = bytes(range(32))
-    rank0 = KVConnectorStats({"save_chunks": 2, "failed_saves": [["A", "disk", key.hex()]]})
-    rank1 = KVConnectorStats({"save_chunks": 1, "failed_saves": [["B", "cpu", key.hex()]]})
+    rank0 = KVConnectorStats({"save_chunks": 2, "failed_saves": [["A", "disk", key.hex(), "0"]]})
+    rank1 = KVConnectorStats({"save_chunks": 1, "failed_saves": [["A", "disk", key.hex(), "1"]]})
     merged = rank0.aggregate(rank1)
     assert merged.data["save_chunks"] == 3 and merged.reduce() == {"save_chunks": 3}
-    assert failed_saves(merged) == [("A", "disk", key), ("B", "cpu", key)]
+    assert failed_saves(merged) == [("A", "disk", key, "0"), ("A", "disk", key, "1")]
     nested = MultiConnectorStats({"KVTierConnector": merged, "Other": KVConnectorStats({"loads": 1})})
-    assert failed_saves(nested) == [("A", "disk", key), ("B", "cpu", key)]
-    assert failed_saves(KVConnectorStats({"failed_saves": [["A", "disk"], ["B", "disk", "zz"]]})) == []
+    assert failed_saves(nested) == failed_saves(merged)
+    assert failed_saves(KVConnectorStats({"failed_saves": [["A", "disk", key.hex()], ["B", "d", "zz", "0"]]})) == []
     assert failed_saves(None) == []
+
+
+def tp_ident(cfg: KvtierConfig, rank: int) -> Any:
+    return identity_from(cfg, SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, rank=rank),
+                                              model_config=None))
+
+
+def run_tp_step(sched: KVTierConnector, workers: list[KVTierConnector], out: SchedulerOutput,
+                sending: dict[str, int]) -> KVConnectorOutput:
+    """One engine step with every rank executing the same metadata; outputs merged as vLLM's aggregator does (a
+    request is finished sending once every rank reported it; stats aggregated)."""
+    meta = pickle.dumps(sched.build_connector_meta(out))
+    merged = KVConnectorOutput(set(), set(), None, set())
+    for w in workers:
+        w.bind_connector_metadata(pickle.loads(meta))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        done, _ = w.get_finished(out.finished_req_ids)
+        for req_id in done or ():
+            sending[req_id] = sending.get(req_id, 0) + 1
+        stats = w.get_kv_connector_stats()
+        if stats is not None:
+            merged.kv_connector_stats = stats if merged.kv_connector_stats is None else \
+                merged.kv_connector_stats.aggregate(stats)
+        w.clear_connector_metadata()
+    merged.finished_sending = {r for r, n in sending.items() if n == len(workers)}
+    for req_id in merged.finished_sending:
+        del sending[req_id]
+    sched.update_connector_output(pickle.loads(pickle.dumps(merged)))
+    return merged
+
+
+def test_a_chunk_is_forgotten_only_when_every_tensor_parallel_rank_failed_it(tmp_path: Path) -> None:
+    """Two ranks. Rank 1 cannot write the full-attention group, both ranks cannot write the window group: the
+    full-attention chunks, held by rank 0, stay tracked (evictable from rank 0's tiers; rank 1's later load of
+    one is reported and recomputed); the window chunks, held by no rank, are forgotten."""
+    cfg = cfg_for(tmp_path, ("disk",))
+    spaces = [namespaces(tp_ident(cfg, r), KCC, C) for r in (0, 1)]
+    for rank, group in ((1, 0), (0, 1), (1, 1)):
+        (tmp_path / f"tp{rank}-of-2").mkdir(exist_ok=True)
+        (tmp_path / f"tp{rank}-of-2" / spaces[rank][group].hex()).write_bytes(b"not a directory")
+    sched, workers = tp_engine(cfg)
+    sending: dict[str, int] = {}
+    try:
+        for r, w in enumerate(workers):
+            w.register_kv_caches(paged(KCC, seed=30 + r))
+        a = Request("A", A_TOKENS)
+        sched.get_num_new_matched_tokens(a, 0)
+        sched.update_state_after_alloc(a, KVCacheBlocks(A_BLOCKS), 0)
+        outs = [run_tp_step(sched, workers, new_req(a, A_BLOCKS, 0), sending)]
+        half = sched._sched()
+        saved = list(half._saving["A"])
+        assert len(saved) == 2 * 5
+        assert sched.request_finished_all_groups(a, A_BLOCKS) == (True, None)
+        for w in workers:
+            w.handle_preemptions(None)
+        outs.append(run_tp_step(sched, workers, SchedulerOutput(finished_req_ids={"A"}), sending))
+        assert outs[-1].finished_sending == {"A"}
+        rows = [row for out in outs if out.kv_connector_stats is not None
+                for row in out.kv_connector_stats.data.get("failed_saves", [])]
+        assert len(rows) == 5 + 2 * 5 and {row[3] for row in rows} == {"0", "1"}
+        tracked = {key[:16]: [] for _, key in saved}
+        for tier, key in saved:
+            tracked[key[:16]].append(half.directory.contains(tier, key))
+        assert tracked[spaces[0][0]] == [True] * 5  # full attention: rank 0 holds it
+        assert tracked[spaces[0][1]] == [False] * 5  # window: no rank holds it
+        assert not half._save_failures
+    finally:
+        sched.shutdown()
+        for w in workers:
+            w.shutdown()
+
+
+def test_pipeline_parallelism_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    import pytest
+
+    from kvtier.errors import ConnectorError
+
+    vllm = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2, rank=0),
+                           model_config=None)
+    with pytest.raises(ConnectorError, match="pipeline_parallel_size=2"):
+        KVTierConnector(vllm, KVConnectorRole.WORKER, KCC, kvtier_config=cfg_for(tmp_path))

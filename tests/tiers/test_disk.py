@@ -419,3 +419,15 @@ async def test_a_record_rewritten_with_another_size_is_read_whole(tmp_path: Path
     for i in (0, 1, 3):
         assert_same(got[i], rand((3000,), seed=i))
     assert tier.stats().corrupt == 0
+
+
+async def test_a_tier_at_a_shared_path_leaves_the_rank_directories_alone(tmp_path: Path) -> None:
+    """Tensor-parallel ranks keep their records in <path>/tp<rank>-of-<size>: a tier opened at <path> itself
+    (another engine, a benchmark) neither adopts nor moves them."""
+    rank = await disk(tmp_path / "tp1-of-2")
+    await rank.put([(key(i), rand((100,), seed=i)) for i in range(3)])
+    before = sorted(p.relative_to(tmp_path) for p in record_files(tmp_path / "tp1-of-2"))
+    bare = await disk(tmp_path)
+    assert list(bare.entries()) == [] and bare.used_bytes() == 0
+    assert sorted(p.relative_to(tmp_path) for p in record_files(tmp_path / "tp1-of-2")) == before
+    assert_same((await rank.get([key(2)]))[0], rand((100,), seed=2))

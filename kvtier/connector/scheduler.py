@@ -63,7 +63,6 @@ def _tokens(source: Any) -> Sequence[int]:
     return tokens if tokens is not None else (source.prompt_token_ids or ())
 
 
-
 def failed_saves(stats: Any) -> list[tuple[str, str, Key, str]]:
     """(request id, tier, key, rank) of every chunk the workers reported not stored (``failed_saves`` rows of
     the stats; a MultiConnector's stats hold each child's stats by class name)."""
@@ -81,6 +80,7 @@ def failed_saves(stats: Any) -> list[tuple[str, str, Key, str]]:
         except (TypeError, ValueError):
             logger.warning("ignoring a malformed failed-save row %r", row)
     return out
+
 
 class SchedulerHalf:
     """Lookups, load plans and save plans over a directory of the local tiers (+ shared tiers for lookups)."""

@@ -106,8 +106,7 @@ def bench_disk(run: Runner, root: Path, chunk_bytes: int, fsync: bool) -> None:
     def read_raw_loops(loops: int, hashed: bool = False) -> Callable[[], Coroutine[Any, Any, None]]:
         async def read() -> None:
             runs = _split(list(zip(paths, bufs, strict=True)), loops)
-            each = _read_run_hashed if hashed else _read_run
-            await asyncio.gather(*(asyncio.to_thread(each, run) for run in runs))
+            await asyncio.gather(*(asyncio.to_thread(_read_run, run, hashed) for run in runs))
         return read
 
     try:
@@ -145,16 +144,12 @@ def _split(items: list[Any], parts: int) -> list[list[Any]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def _read_run(run: list[tuple[str, torch.Tensor]]) -> None:
+def _read_run(run: list[tuple[str, torch.Tensor]], hashed: bool = False) -> None:
+    """Read each file into its buffer; ``hashed``: xxh3-64 each right after its read (kvtier's read check)."""
     for path, buf in run:
         raw_read(path, buf)
-
-
-def _read_run_hashed(run: list[tuple[str, torch.Tensor]]) -> None:
-    """``_read_run``, each file hashed (xxh3-64) right after its read: the check every kvtier read makes."""
-    for path, buf in run:
-        raw_read(path, buf)
-        xxhash.xxh3_64_intdigest(buf.view(torch.uint8).numpy().data)
+        if hashed:
+            xxhash.xxh3_64_intdigest(buf.view(torch.uint8).numpy().data)
 
 
 RAW_READ_LOOPS = sorted({1, 2, READ_STREAMS})  # plain read loops in this many threads, beside one thread per file

@@ -181,8 +181,7 @@ class DiskTier(Tier):
         paths = [self.layout.path(k) for k in keys]
         box: list[ReadResult] = []  # emptied at once: the worker may still hold the call (and this list) a moment
         await asyncio.to_thread(lambda: box.extend(read_records(paths, keys, self.hmac_key, self.capacity_bytes,
-                                                                 self._buffers.take_array, self._buffers, sizes,
-                                                                 nowait)))
+                                                                 self._buffers, sizes, nowait)))
         into.extend(box)
         box.clear()
 

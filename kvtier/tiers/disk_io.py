@@ -210,12 +210,13 @@ ReadResult = tuple[torch.Tensor, int] | BaseException
 
 
 def read_records(paths: Sequence[str], keys: Sequence[Key], hmac_key: bytes | None, max_size: int,
-                 alloc: Callable[[int, int], np.ndarray], recycler: Recycler | None = None,
-                 sizes: Sequence[int] | None = None, nowait: bool = False) -> list[ReadResult]:
+                 recycler: Recycler | None = None, sizes: Sequence[int] | None = None,
+                 nowait: bool = False) -> list[ReadResult]:
     """``read_record`` for several records in one blocking call; a failure (``Deferred`` included) is returned in
-    its place, without its traceback. With ``recycler`` and the expected file ``sizes``, small records share buffers
-    (``Recycler.take_many``); a file of another size gets its own."""
+    its place, without its traceback. Buffers come from ``recycler`` (fresh ones without it); with the expected
+    file ``sizes`` too, small records share buffers (``Recycler.take_many``); a file of another size gets its own."""
     lead = HEADER_SIZE + (MAC_BYTES if hmac_key is not None else 0)
+    alloc = recycler.take_array if recycler is not None else _new_buffer
     places: Sequence[Place | None] = (recycler.take_many(sizes, lead) if recycler is not None and sizes is not None
                                       else [None] * len(paths))
     rooms = sizes if sizes is not None else [-1] * len(paths)

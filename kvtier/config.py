@@ -53,7 +53,7 @@ from kvtier.config_parse import (
     unwrap,
 )
 from kvtier.errors import ConfigError
-from kvtier.layout import GroupKind, MambaSpec
+from kvtier.layout import UNSERVED, GroupKind
 
 if TYPE_CHECKING:
     from kvtier.layout import KVCacheConfig
@@ -166,6 +166,7 @@ class KvtierConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     placement: Mapping[GroupKind, tuple[str, ...]] = field(default_factory=dict)
     save_partial_chunks: bool = False
+    strict: bool = False  # KV tensors kvtier cannot read fail the engine's start (else kvtier disables itself)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def tier(self, name: str) -> TierConfig:
@@ -190,7 +191,7 @@ class KvtierConfig:
 
 # ---- loading ----------------------------------------------------------------------------------------------
 
-SECTIONS = ("chunk_size", "namespace", "tiers", "policy", "placement", "save_partial_chunks", "security")
+SECTIONS = ("chunk_size", "namespace", "tiers", "policy", "placement", "save_partial_chunks", "security", "strict")
 ENGINE_ONLY_KEYS = frozenset({"config_file", "connectors", "load_failure_policy"})
 """Keys of an engine's extra-config dict that are not kvtier config: ``config_file`` (the file to load when no
 source is given) and ``connectors`` (a MultiConnector's children)."""
@@ -265,6 +266,7 @@ def build_config(data: Mapping[str, Any], env: Mapping[str, str]) -> KvtierConfi
         policy=_section(PolicyConfig, data.get("policy"), "policy", env),
         placement=_build_placement(data.get("placement"), tiers),
         save_partial_chunks=as_bool(data.get("save_partial_chunks", False), "save_partial_chunks"),
+        strict=as_bool(data.get("strict", False), "strict"),
         security=_section(SecurityConfig, data.get("security"), "security", env),
     )
 
@@ -417,10 +419,10 @@ def validate_for_layout(cfg: KvtierConfig, kv_cache_config: KVCacheConfig) -> No
     from kvtier.codec import HEADER_SIZE
 
     groups = kv_cache_config.kv_cache_groups
-    attention = [g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)]
+    attention = [g.kv_cache_spec.block_size for g in groups if g.kind not in UNSERVED]
     for gid, group in enumerate(groups):
         block = group.kv_cache_spec.block_size
-        if not isinstance(group.kv_cache_spec, MambaSpec) and cfg.chunk_size % block:
+        if group.kind not in UNSERVED and cfg.chunk_size % block:
             lcm = math.lcm(*attention)
             raise ConfigError("chunk_size", f"{cfg.chunk_size} is not a multiple of the block size {block} of "
                               f"KV-cache group {gid} ({group.kind.value})",
@@ -446,5 +448,6 @@ def config_to_dict(cfg: KvtierConfig) -> dict[str, Any]:
         "policy": plain_fields(cfg.policy),
         "placement": {kind.value: list(names) for kind, names in cfg.placement.items()},
         "save_partial_chunks": cfg.save_partial_chunks,
+        "strict": cfg.strict,
         "security": plain_fields(cfg.security),
     }

@@ -39,6 +39,7 @@ class GroupKind(StrEnum):
     SLIDING_WINDOW = "sliding_window"
     MLA = "mla"
     MAMBA = "mamba"
+    OTHER = "other"  # a cache kvtier cannot serve (never saved or loaded; requests of such models never hit)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,23 @@ class MambaSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class OtherSpec(KVCacheSpec):
+    """A cache of a kind kvtier does not know (the engine's spec class named in ``name``)."""
+
+    name: str = ""
+    kind: GroupKind = field(init=False, default=GroupKind.OTHER)
+
+    def bytes_per_token_per_layer(self) -> int:
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": str(self.kind), "block_size": self.block_size, "name": self.name}
+
+
+UNSERVED = (GroupKind.MAMBA, GroupKind.OTHER)  # group kinds kvtier never stores
+
+
+@dataclass(frozen=True)
 class KVCacheGroupSpec:
     layer_names: tuple[str, ...]
     kv_cache_spec: KVCacheSpec
@@ -150,6 +168,7 @@ class KVCacheConfig:
 
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
     num_blocks: int = 0
+    kv_layout: str | None = None  # vLLM >= 0.32: the resolved KVCacheLayout name (layer views [B, H, N, C])
 
     def group_of_layer(self) -> dict[str, int]:
         return {name: gid for gid, g in enumerate(self.kv_cache_groups) for name in g.layer_names}
@@ -171,17 +190,33 @@ def simple_config(num_layers: int, num_kv_heads: int, head_size: int, dtype: str
     return KVCacheConfig(tuple(groups), num_blocks)
 
 
+# vLLM's spec classes kvtier serves (by name prefix: vllm is not imported); MambaSpec is modelled but not served;
+# any other (chunked-local, cross, encoder-only, sink, circular-buffer, ...) becomes an ``OtherSpec``
+SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "SlidingWindowMLASpec")
+
+
 def _spec_from_vllm(spec: Any) -> KVCacheSpec:
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: layers of one kind, per-layer specs
+    if isinstance(inner, dict) and inner:
+        first = next(iter(inner.values()))
+        if any(s != first for s in inner.values()):
+            return OtherSpec(int(spec.block_size), name=f"{type(spec).__name__}(mixed)")
+        spec = first
     cls = type(spec).__name__
     block = int(spec.block_size)
-    if "Mamba" in cls:
-        return MambaSpec(block, tuple(tuple(int(d) for d in s) for s in spec.shapes),
-                         tuple(dtype_name(d) for d in spec.dtypes))
-    heads, head, dtype = int(spec.num_kv_heads), int(spec.head_size), dtype_name(spec.dtype)
+    try:
+        if "Mamba" in cls:
+            return MambaSpec(block, tuple(tuple(int(d) for d in s) for s in spec.shapes),
+                             tuple(dtype_name(d) for d in spec.dtypes))
+        heads, head, dtype = int(spec.num_kv_heads), int(spec.head_size), dtype_name(spec.dtype)
+    except (AttributeError, TypeError, ValueError):  # a kind of cache (or dtype) kvtier does not model
+        return OtherSpec(block, name=cls)
+    if not cls.startswith(SERVED_SPECS):
+        return OtherSpec(block, name=cls)
+    if "SlidingWindow" in cls:  # sliding-window MLA too: only the window is restored (pages move as bytes)
+        return SlidingWindowSpec(block, heads, head, dtype, sliding_window=int(spec.sliding_window))
     if "MLA" in cls:
         return MLAAttentionSpec(block, heads, head, dtype)
-    if "SlidingWindow" in cls:
-        return SlidingWindowSpec(block, heads, head, dtype, sliding_window=int(spec.sliding_window))
     # With HMA off vLLM merges sliding-window layers into one FullAttentionSpec that carries
     # ``sliding_window``; restoring every chunk of such a group is always correct.
     return FullAttentionSpec(block, heads, head, dtype)
@@ -195,4 +230,6 @@ def from_vllm(kv_cache_config: Any) -> KVCacheConfig:
         KVCacheGroupSpec(tuple(g.layer_names), _spec_from_vllm(g.kv_cache_spec))
         for g in kv_cache_config.kv_cache_groups
     )
-    return KVCacheConfig(groups, int(getattr(kv_cache_config, "num_blocks", 0)))
+    layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    return KVCacheConfig(groups, int(getattr(kv_cache_config, "num_blocks", 0)),
+                         str(getattr(layout, "name", layout)) if layout is not None else None)

@@ -5,9 +5,12 @@ A group's layers each own one paged tensor in one of these layouts (``KVLayout``
 * ``kv_first``     ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (vLLM flash / CPU backends)
 * ``blocks_first`` ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
 * ``mla``          ``[num_blocks, block_size, head_size]`` (one latent vector per token, no K/V split)
+* ``pages``        ``[num_blocks, *page]``: vLLM >= 0.32 (one page per block, in the page's memory order; built
+                   by :func:`kvtier.pages.page_view` from the engine's ``[B, H, N, C]`` views and layout)
 
 A chunk of ``C`` tokens spans ``C / block_size`` blocks. Its payload (the record's shape) is one contiguous
-tensor ``[L, 2, C, heads, head]`` (``[L, C, head]`` for MLA) over the group's ``L`` layers. ``gather`` and
+tensor ``[L, 2, C, heads, head]`` (``[L, C, head]`` for MLA, ``[L, blocks, *page]`` for pages) over the group's
+``L`` layers. ``gather`` and
 ``scatter`` move all chunks of one group at once: one ``index_select`` / ``index_copy_`` per layer over every
 block of every chunk, no per-token Python work. They run on whatever device the tensors live on; a CUDA stream
 may be passed to overlap copies with compute.
@@ -32,6 +35,7 @@ class KVLayout(StrEnum):
     KV_FIRST = "kv_first"
     BLOCKS_FIRST = "blocks_first"
     MLA = "mla"
+    PAGES = "pages"
 
 
 def detect_layout(tensor: torch.Tensor) -> KVLayout:
@@ -50,7 +54,9 @@ def detect_layout(tensor: torch.Tensor) -> KVLayout:
 
 
 def block_size_of(tensor: torch.Tensor, layout: KVLayout) -> int:
-    """Tokens per block of a paged tensor."""
+    """Tokens per block of a paged tensor (``pages``: not known from the tensor; raises)."""
+    if layout is KVLayout.PAGES:
+        raise ValueError("a page view does not say its tokens per block; kvtier.pages knows it")
     return int(tensor.shape[1] if layout is KVLayout.MLA else tensor.shape[2])
 
 
@@ -91,6 +97,8 @@ def _check(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], l
 def _layer_blocks(t: torch.Tensor, idx: torch.Tensor, layout: KVLayout, n: int, bpc: int) -> torch.Tensor:
     """Blocks ``idx`` of one layer as ``[n, 2, C, H, D]`` (``[n, C, D]`` for MLA), a strided view of a copy
     (cross-device gathers stage each layer on the layers' device this way)."""
+    if layout is KVLayout.PAGES:
+        return t.index_select(0, idx).view(n, bpc, *t.shape[1:])
     if layout is KVLayout.MLA:
         sel = t.index_select(0, idx)  # [n*bpc, bs, D]
         return sel.view(n, bpc * sel.shape[1], sel.shape[2])
@@ -178,6 +186,39 @@ def _gather_direct(layers: Sequence[torch.Tensor], idx: torch.Tensor, layout: KV
                 torch.index_select(t, dim, cols[:, j], out=_column_rows(data, layout, bpc, j))
 
 
+def _payload_shape(first: torch.Tensor, layout: KVLayout, num_layers: int, bpc: int) -> tuple[int, ...]:
+    if layout is KVLayout.PAGES:
+        return (num_layers, bpc, *first.shape[1:])
+    return payload_shape(first, layout, num_layers, bpc * block_size_of(first, layout))
+
+
+def page_rows(t: torch.Tensor) -> torch.Tensor:
+    """A ``[blocks, *page]`` tensor as ``[blocks, page_elements]`` (a view) when each page is one dense run of
+    memory, so an index op moves whole pages (memcpy); else unchanged."""
+    expect = 1
+    for d in range(t.dim() - 1, 0, -1):
+        if t.shape[d] != 1 and t.stride(d) != expect:
+            return t
+        expect *= t.shape[d]
+    return t.flatten(1)
+
+
+def _gather_pages(layers: Sequence[torch.Tensor], idx: torch.Tensor, out: torch.Tensor, n: int, bpc: int) -> None:
+    """Same-device gather of page layers: whole pages into ``out`` (``[n, L, bpc, *page]``), one index op per
+    chunk or per block position and layer, whichever is fewer."""
+    rows = [page_rows(t) for t in layers]
+    dest = out.view(n, len(layers), bpc, -1) if all(r.dim() == 2 for r in rows) else out
+    wide_rows, (wide_out,) = _wide(rows, [dest], GATHER_DTYPES)
+    for li, t in enumerate(wide_rows):
+        if n <= bpc:
+            for i in range(n):
+                torch.index_select(t, 0, idx[i * bpc:(i + 1) * bpc], out=wide_out[i, li])
+        else:
+            cols = idx.view(n, bpc)
+            for j in range(bpc):
+                torch.index_select(t, 0, cols[:, j], out=wide_out[:, li, j])
+
+
 def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], layout: KVLayout,
            *, out: torch.Tensor | None = None, device: torch.device | str | None = None,
            stream: Any = None) -> torch.Tensor:
@@ -191,8 +232,7 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], l
     bpc = _check(layers, block_ids, layout)
     n = len(block_ids)
     first = layers[0]
-    chunk_tokens = bpc * block_size_of(first, layout)
-    shape = (n, *payload_shape(first, layout, len(layers), chunk_tokens))
+    shape = (n, *_payload_shape(first, layout, len(layers), bpc))
     if out is None:
         out = torch.empty(shape, dtype=first.dtype, device=device if device is not None else first.device)
     elif tuple(out.shape) != shape:
@@ -202,7 +242,10 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], l
     with _on_stream(stream):
         idx = _block_index(block_ids, first.device)
         if out.device == first.device and out.dtype == first.dtype and out.is_contiguous():
-            _gather_direct(layers, idx, layout, out, n, bpc)
+            if layout is KVLayout.PAGES:
+                _gather_pages(layers, idx, out, n, bpc)
+            else:
+                _gather_direct(layers, idx, layout, out, n, bpc)
         else:
             for li, t in enumerate(layers):
                 out[:, li].copy_(_layer_blocks(t, idx, layout, n, bpc))
@@ -279,6 +322,29 @@ def _scatter_columns(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequenc
             _copy_rows(t, dim, col, _column_rows(wide_data[:, li], layout, bpc, j))
 
 
+def _scatter_pages(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
+                   chunks: Sequence[torch.Tensor], data: torch.Tensor | None) -> None:
+    """Whole pages from each chunk's ``[L, bpc, *page]`` payload into page layers, one index op per chunk or per
+    block position and layer, whichever is fewer."""
+    rows = [page_rows(t) for t in layers]
+    flat = all(r.dim() == 2 for r in rows)
+    n, bpc = len(block_ids), len(block_ids[0])
+    if n <= bpc:
+        for ids, payload in zip(block_ids, chunks, strict=True):
+            src = payload.view(len(layers), bpc, -1) if flat else payload
+            wide_rows, wide_src = _wide(rows, list(src.unbind(0)), SCATTER_DTYPES)
+            for t, p in zip(wide_rows, wide_src, strict=True):
+                _copy_rows(t, 0, ids, p)
+        return
+    stacked = torch.stack(list(chunks)) if data is None else data
+    src_all = stacked.view(n, len(layers), bpc, -1) if flat else stacked
+    wide_layers, (wide_all,) = _wide(rows, [src_all], SCATTER_DTYPES)
+    for j in range(bpc):
+        col = [ids[j] for ids in block_ids]
+        for li, t in enumerate(wide_layers):
+            _copy_rows(t, 0, col, wide_all[:, li, j])
+
+
 def scatter(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], layout: KVLayout,
             payloads: torch.Tensor | Sequence[torch.Tensor], *, stream: Any = None) -> None:
     """Write chunk payloads into a group's paged tensors at ``block_ids``; ``NULL_BLOCK`` entries are skipped.
@@ -292,7 +358,7 @@ def scatter(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], 
     if n == 0 or bpc == 0:
         return
     first = layers[0]
-    expected = payload_shape(first, layout, len(layers), bpc * block_size_of(first, layout))
+    expected = _payload_shape(first, layout, len(layers), bpc)
     with _on_stream(stream):
         if isinstance(payloads, torch.Tensor):
             data = payloads.to(device=first.device, dtype=first.dtype, non_blocking=True).contiguous()
@@ -305,7 +371,9 @@ def scatter(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], 
                 raise ValueError(f"payloads have shapes {[tuple(p.shape) for p in chunks]}, expected {n} of "
                                  f"{expected}")
             data = None
-        if n <= bpc:
+        if layout is KVLayout.PAGES:
+            _scatter_pages(layers, block_ids, chunks, data)
+        elif n <= bpc:
             _scatter_chunks(layers, block_ids, layout, chunks, bpc)
         else:
             _scatter_columns(layers, block_ids, layout, torch.stack(chunks) if data is None else data, bpc)

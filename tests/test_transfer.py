@@ -16,6 +16,8 @@ def _paged(layout: KVLayout, n_layers: int, dtype: torch.dtype, seed: int = 0) -
         shape: tuple[int, ...] = (2, NUM_BLOCKS, BS, HEADS, HEAD)
     elif layout is KVLayout.BLOCKS_FIRST:
         shape = (NUM_BLOCKS, 2, BS, HEADS, HEAD)
+    elif layout is KVLayout.PAGES:  # [blocks, *page]: vLLM >= 0.32 views, K and V packed in the last axis
+        shape = (NUM_BLOCKS, HEADS, BS, 2 * HEAD)
     else:
         shape = (NUM_BLOCKS, BS, HEAD)
     return [torch.randn(shape, generator=g).to(dtype) for _ in range(n_layers)]
@@ -34,7 +36,10 @@ def test_gather_then_scatter_into_other_blocks_reproduces(layout: KVLayout, dtyp
     dst_ids = [[5, 6], [20, 21], [11, 4]]
     payload = gather(src, src_ids, layout)
     assert payload.is_contiguous()
-    assert tuple(payload.shape) == (3, *payload_shape(src[0], layout, 3, 2 * BS))
+    if layout is KVLayout.PAGES:  # [layers, blocks, *page]
+        assert tuple(payload.shape) == (3, 3, 2, HEADS, BS, 2 * HEAD)
+    else:
+        assert tuple(payload.shape) == (3, *payload_shape(src[0], layout, 3, 2 * BS))
     before = [t.clone() for t in dst]
     scatter(dst, dst_ids, layout, payload)
     for layer in range(3):
@@ -138,6 +143,8 @@ def _reference_blocks(layers: list[torch.Tensor], layout: KVLayout, ids: list[li
                 per_layer.append(torch.cat([t[:, b] for b in chunk], dim=1))
             elif layout is KVLayout.BLOCKS_FIRST:
                 per_layer.append(torch.cat([t[b] for b in chunk], dim=1))
+            elif layout is KVLayout.PAGES:
+                per_layer.append(torch.stack([t[b] for b in chunk]))
             else:
                 per_layer.append(torch.cat([t[b] for b in chunk], dim=0))
         chunks.append(torch.stack(per_layer))
@@ -159,8 +166,10 @@ def test_direct_paths_match_block_by_block_copies(layout: KVLayout, n_chunks: in
                                                   as_list: bool) -> None:
     blocks = n_chunks * per_chunk + 1
     shape = {KVLayout.KV_FIRST: (2, blocks, BS, HEADS, head), KVLayout.BLOCKS_FIRST: (blocks, 2, BS, HEADS, head),
-             KVLayout.MLA: (blocks, BS, head)}[layout]
+             KVLayout.MLA: (blocks, BS, head), KVLayout.PAGES: (blocks, HEADS, BS, head)}[layout]
     src = [_random_bits(shape, torch.bfloat16, seed) for seed in range(3)]
+    if layout is KVLayout.PAGES and head == 3:  # pages that are not one run of memory (heads outside blocks)
+        src = [_random_bits((HEADS, blocks, BS, head), torch.bfloat16, seed).transpose(0, 1) for seed in range(3)]
     order = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(7)).add(1).tolist()
     ids = [order[i * per_chunk:(i + 1) * per_chunk] for i in range(n_chunks)]
     payload = gather(src, ids, layout)
@@ -180,6 +189,8 @@ def test_direct_paths_match_block_by_block_copies(layout: KVLayout, n_chunks: in
                     expected[li][:, b] = layer[:, j * BS:(j + 1) * BS]
                 elif layout is KVLayout.BLOCKS_FIRST:
                     expected[li][b] = layer[:, j * BS:(j + 1) * BS]
+                elif layout is KVLayout.PAGES:
+                    expected[li][b] = layer[j]
                 else:
                     expected[li][b] = layer[j * BS:(j + 1) * BS]
     for got, want in zip(dst, expected, strict=True):

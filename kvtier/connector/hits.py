@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.layout import GroupKind
+from kvtier.layout import UNSERVED, GroupKind
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class GroupNeed:
 
     def needed(self, n: int, chunk_size: int) -> range:
         """Chunk indices that must be loaded for a hit of ``n`` chunks."""
-        if n <= 0 or self.kind is GroupKind.MAMBA:
+        if n <= 0 or self.kind in UNSERVED:
             return range(0)
         if self.kind is GroupKind.SLIDING_WINDOW:
             first_token = max(0, n * chunk_size - (self.sliding_window - 1))
@@ -41,7 +41,7 @@ class GroupNeed:
         """True when a hit of ``n`` chunks is restorable given which chunks are ``present``."""
         if n == 0:
             return True
-        if self.kind is GroupKind.MAMBA:
+        if self.kind in UNSERVED:
             return False
         return all(i < len(present) and present[i] for i in self.needed(n, chunk_size))
 
@@ -59,7 +59,7 @@ def best_hit(needs: Sequence[GroupNeed], present: Sequence[Sequence[bool]], chun
     upper = limit
     windowed: list[tuple[GroupNeed, Sequence[bool]]] = []
     for need, pres in zip(needs, present, strict=True):
-        if need.kind is GroupKind.MAMBA:
+        if need.kind in UNSERVED:
             return 0
         if need.kind is GroupKind.SLIDING_WINDOW:
             windowed.append((need, pres))

@@ -41,13 +41,15 @@ def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | Non
 
 
 def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *,
-                    rank: int | None = None) -> bytes:
-    """16-byte namespace digest of one group (for ``rank``, default the identity's rank)."""
+                    rank: int | None = None, kv_layout: str | None = None) -> bytes:
+    """16-byte namespace digest of one group (for ``rank``, default the identity's rank). ``kv_layout`` (vLLM's
+    resolved KV-cache layout, when the engine has one) is part of it: records hold pages in that order."""
     spec = group.kv_cache_spec
+    described = spec.describe() if kv_layout is None else {**spec.describe(), "kv_layout": kv_layout}
     ns = Namespace(
         model=ident.model, revision=ident.revision,
         kv_dtype=spec.dtype if isinstance(spec, FullAttentionSpec) else "",
-        group=spec.describe(), layer_names=tuple(group.layer_names),
+        group=described, layer_names=tuple(group.layer_names),
         tp_rank=ident.tp_rank if rank is None else rank, tp_size=ident.tp_size,
         chunk_size=chunk_size, tenant=ident.tenant,
     )
@@ -56,7 +58,7 @@ def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *
 
 def namespaces(ident: Identity, kcc: KVCacheConfig, chunk_size: int, *, rank: int | None = None) -> list[bytes]:
     """Namespace digest of every group of ``kcc``, in group order."""
-    return [group_namespace(ident, g, chunk_size, rank=rank) for g in kcc.kv_cache_groups]
+    return [group_namespace(ident, g, chunk_size, rank=rank, kv_layout=kcc.kv_layout) for g in kcc.kv_cache_groups]
 
 
 def request_extra(request: Any) -> bytes:

@@ -25,7 +25,7 @@ from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.scheduler import SchedulerHalf
 from kvtier.connector.worker import WorkerHalf
 from kvtier.errors import ConnectorError
-from kvtier.layout import FullAttentionSpec, GroupKind, KVCacheConfig, KVCacheGroupSpec, dtype_name, from_vllm
+from kvtier.layout import UNSERVED, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, dtype_name, from_vllm
 from kvtier.runtime import LoopThread
 from kvtier.store import TieredStore, directory_for
 from kvtier.tiers.base import Tier
@@ -86,7 +86,7 @@ def with_pool_slots(cfg: KvtierConfig, kcc: KVCacheConfig | None) -> KvtierConfi
     """
     if kcc is None:
         return cfg
-    sizes = {g.bytes_per_chunk(cfg.chunk_size) for g in kcc.kv_cache_groups if g.kind is not GroupKind.MAMBA}
+    sizes = {g.bytes_per_chunk(cfg.chunk_size) for g in kcc.kv_cache_groups if g.kind not in UNSERVED}
     if len(sizes) <= 1:
         return cfg
     slot = min(sizes)
@@ -173,7 +173,8 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
             self._store = TieredStore.from_config(rank_local(cfg, ident.tp_rank, ident.tp_size),
                                                   hmac_key=hmac_key(cfg))
             self._loop.run(self._store.start())
-        return WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size)
+        return WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size,
+                          strict=cfg.strict)
 
     def _worker_tp_rank(self) -> int | None:
         """This worker's tensor-parallel rank (None: from the engine's parallel config). Engine adapters override."""

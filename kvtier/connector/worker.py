@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.connector.base import KVConnectorStats
 from kvtier.connector.keying import Identity, namespaces, rank_key
-from kvtier.connector.plans import FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.plans import DISABLED, FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.directory import StorePlan
 from kvtier.errors import ConnectorError
 from kvtier.keys import Key
-from kvtier.layout import FullAttentionSpec, GroupKind, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, dtype_name
+from kvtier.layout import UNSERVED, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, dtype_name
+from kvtier.pages import kernel_ids, page_view
 from kvtier.runtime import LoopThread
 from kvtier.transfer import NULL_BLOCK, KVLayout, block_size_of, detect_layout, gather, scatter
 
@@ -92,12 +93,18 @@ class _Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[str, float] = {}
+        self._totals: dict[str, float] = {}  # since start, never taken
         self._failed: list[list[str]] = []
 
     def add(self, **values: float) -> None:
         with self._lock:
             for name, value in values.items():
                 self._data[name] = self._data.get(name, 0) + value
+                self._totals[name] = self._totals.get(name, 0) + value
+
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._totals)
 
     def fail(self, rows: Iterable[list[str]]) -> None:
         with self._lock:
@@ -112,11 +119,18 @@ class _Stats:
         return data
 
 
+def _done(value: T) -> concurrent.futures.Future[T]:
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
 class WorkerHalf:
     """Moves bytes between the engine's paged KV tensors and a TieredStore, following the plans."""
 
     def __init__(self, kcc: KVCacheConfig | None, store: TieredStore, loop: LoopThread, *,
-                 identity: Identity | None = None, chunk_size: int = 256, layout: KVLayout | None = None) -> None:
+                 identity: Identity | None = None, chunk_size: int = 256, layout: KVLayout | None = None,
+                 strict: bool = False) -> None:
         self.kcc = kcc
         self.store = store
         self._loop = loop
@@ -126,6 +140,9 @@ class WorkerHalf:
         self._layout_hint = layout
         self._layers: list[list[torch.Tensor]] = []
         self._layouts: list[KVLayout] = []
+        self._ratios: list[int] = []  # kernel blocks per scheduler block, per group
+        self.strict = strict
+        self.disabled: str | None = None  # why kvtier serves nothing in this engine (see register_kv_caches)
         self._meta: KVTierMetadata | None = None
         self._recving: dict[str, tuple[list[LoadSpec], concurrent.futures.Future[list[Reads]]]] = {}
         self._saves: dict[str, list[concurrent.futures.Future[None]]] = {}
@@ -138,28 +155,64 @@ class WorkerHalf:
 
     # ---- setup -----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Map every registered layer to its group; groups keep their layers in config order."""
+        """Map every registered layer to its group; groups keep their layers in config order.
+
+        KV tensors kvtier cannot read (an unknown layout or shape) disable it for this engine: one error is
+        logged, every planned load becomes a load error (the engine recomputes), every save is reported not
+        stored, and the scheduler, told through the stats, stops planning. The engine starts and serves. With
+        ``strict`` the error is raised instead."""
+        try:
+            self._register(kv_caches)
+        except (ConnectorError, ValueError) as exc:
+            if self.strict:
+                raise
+            self.disabled = str(exc)
+            self._layers, self._layouts, self._ratios = [], [], []
+            self._stats.add(**{DISABLED: 1})
+            logger.error("kvtier is disabled for this engine (it serves without the cache): %s. Set strict: true "
+                         "in kvtier's config to fail at start instead", exc)
+
+    def _register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         if self.kcc is None:
             logger.warning("no kv_cache_config given: treating all %d layers as one full-attention group",
                            len(kv_caches))
             self.kcc = derive_config(kv_caches)
-        self._layers, self._layouts = [], []
-        for group in self.kcc.kv_cache_groups:
+        kcc = self.kcc
+        self._layers, self._layouts, self._ratios = [], [], []
+        for gid, group in enumerate(kcc.kv_cache_groups):
             layers = [kv_caches[n] for n in group.layer_names if n in kv_caches]
             missing = len(group.layer_names) - len(layers)
             if missing:
                 logger.warning("%d layer(s) of a %s group have no registered KV tensor", missing, group.kind)
-            if group.kind is GroupKind.MAMBA:  # never loaded or saved (the scheduler plans no Mamba work)
-                self._layers.append([])
-                self._layouts.append(KVLayout.KV_FIRST)
-                continue
-            layout = self._layout_hint or (detect_layout(layers[0]) if layers else KVLayout.KV_FIRST)
-            for name, tensor in zip(group.layer_names, layers, strict=False):
-                _check_shape(name, tensor, layout, group)
+            ratio = 1
+            if group.kind in UNSERVED:  # never loaded or saved (the scheduler plans no work for such groups)
+                logger.warning("KV-cache group %d (%s) is not cached by kvtier; requests of this model will not "
+                               "hit", gid, group.kind)
+                layout, layers = KVLayout.KV_FIRST, []
+            elif kcc.kv_layout is not None:  # vLLM >= 0.32: [B, H, N, C] views in the engine's layout
+                layout = KVLayout.PAGES
+                views = [page_view(n, t, kcc.kv_layout, group.kv_cache_spec.block_size)
+                         for n, t in zip(group.layer_names, layers, strict=False)]
+                if len({(tuple(v.shape), r) for v, r in views}) > 1:
+                    raise ConnectorError(f"KV-cache group {gid}: its layers' KV views differ in shape "
+                                         f"({sorted({tuple(v.shape) for v, _ in views})}); kvtier stores a group's "
+                                         "layers in one record and cannot cache this group")
+                layers = [v for v, _ in views]
+                ratio = views[0][1] if views else 1
+            else:
+                layout = self._layout_hint or (detect_layout(layers[0]) if layers else KVLayout.KV_FIRST)
+                for name, tensor in zip(group.layer_names, layers, strict=False):
+                    _check_shape(name, tensor, layout, group)
             self._layers.append(layers)
             self._layouts.append(layout)
+            self._ratios.append(ratio)
         if self._identity is not None and self._identity.tp_rank != 0:
-            self._rank_spaces = namespaces(self._identity, self.kcc, self._chunk_size)
+            self._rank_spaces = namespaces(self._identity, kcc, self._chunk_size)
+
+    def _kernel(self, group: int, block_ids: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The scheduler's block ids of each chunk as ids of the group's tensors (kernel blocks)."""
+        ratio = self._ratios[group]
+        return [kernel_ids(ids, ratio) for ids in block_ids]
 
     def _key(self, group: int, key: Key) -> Key:
         if self._rank_spaces is None:
@@ -179,6 +232,13 @@ class WorkerHalf:
             self.wait_for_save()  # a previous step's saves that nothing flushed yet go first
         self._meta = metadata
         if metadata is None or not metadata.loads:
+            return
+        if self.disabled is not None:  # every planned load fails: the engine recomputes those blocks
+            failed: list[Reads] = [[None] * len(s.keys) for s in metadata.loads]
+            self._apply(metadata.loads, failed)
+            for spec in metadata.loads:
+                if spec.is_async and spec.req_id not in self._recving:
+                    self._recving[spec.req_id] = ([], _done([]))
             return
         sync = [s for s in metadata.loads if not s.is_async]
         if sync:
@@ -270,10 +330,11 @@ class WorkerHalf:
                 payloads.append(value)
                 hits += 1
                 self._stats.add(load_bytes=value.numel() * value.element_size())
-            self._stats.add(load_chunks=hits, load_failures=len(values) - hits, **{f"hits_{spec.tier}": hits})
+            self._stats.add(load_chunks=hits, load_failures=len(values) - hits,
+                            **{f"hits_{spec.tier}": hits, f"load_chunks_group{spec.group}": hits})
         for group, (blocks, payloads) in per_group.items():
             try:
-                scatter(self._layers[group], blocks, self._layouts[group], payloads)
+                scatter(self._layers[group], self._kernel(group, blocks), self._layouts[group], payloads)
             except (ValueError, RuntimeError, IndexError) as exc:  # wrong shape/dtype: a bad record
                 logger.warning("loading %d chunk(s) into group %d failed: %s", len(blocks), group, exc)
                 self._errors.update(b for ids in blocks for b in ids if b != NULL_BLOCK)
@@ -287,6 +348,11 @@ class WorkerHalf:
         (a copy, no I/O to hide), else in the background in step order."""
         meta, self._meta = self._meta, None
         if meta is None or not meta.saves:
+            return
+        if self.disabled is not None:  # nothing is stored: the scheduler forgets these chunks
+            for spec in meta.saves:
+                self._report_failed(spec)
+                self._saves.setdefault(spec.req_id, []).append(_done(None))
             return
         t0 = time.perf_counter()
         payloads = self._gather(meta.saves)
@@ -318,7 +384,8 @@ class WorkerHalf:
                 continue
             layers = self._layers[group]
             # host copies: a step's saves must not hold device memory while tiers write them
-            data = gather(layers, blocks, self._layouts[group], device="cpu" if layers[0].is_cuda else None)
+            data = gather(layers, self._kernel(group, blocks), self._layouts[group],
+                          device="cpu" if layers[0].is_cuda else None)
             out.update(((group, k), data[i]) for i, k in enumerate(keys))
         return out
 
@@ -399,6 +466,10 @@ class WorkerHalf:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def totals(self) -> dict[str, float]:
+        """Every counter of this worker since it started (``stats`` hands out the counts since its last call)."""
+        return self._stats.totals()
 
     def stats(self) -> KVConnectorStats | None:
         data = self._stats.take()

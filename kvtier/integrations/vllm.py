@@ -43,6 +43,7 @@ child that reports some (the first child's are kept, with a warning).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from kvtier.connector.multi import MultiConnector, MultiConnectorStats, required
 from kvtier.connector.tiered import KVTierConnector as TieredConnector
 from kvtier.errors import ConnectorError
 from kvtier.layout import from_vllm
+from kvtier.pages import canonical_layout
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +257,11 @@ class KVTierConnector(_Facade):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         layout = from_vllm(kv_cache_config) if kv_cache_config is not None else None
+        if layout is not None:
+            # the layout the engine core resolved: on the KV-cache config (vLLM >= 0.32), else the cache config
+            resolved = layout.kv_layout or getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+            if resolved is not None:
+                layout = dataclasses.replace(layout, kv_layout=canonical_layout(resolved))
         self._impl = _TieredForVllm(vllm_config, to_kvtier_role(role), layout)
 
     @property

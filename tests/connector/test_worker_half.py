@@ -5,6 +5,7 @@ flush, layouts, pickling of metadata and stats. Real cpu and disk tiers; the sch
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
 import time
 from collections.abc import Sequence
@@ -251,10 +252,25 @@ def test_built_from_the_engine_extra_config(tmp_path: Path) -> None:
             conn.shutdown()
 
 
-def test_a_paged_layout_that_disagrees_with_the_config_is_refused(tmp_path: Path) -> None:
+def test_a_paged_layout_that_disagrees_with_the_config_disables_kvtier_or_fails_in_strict_mode(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    heads_first = {n: torch.zeros(2, NB, 2, BS, 4) for n in KCC.kv_cache_groups[0].layer_names}
     work = KVTierConnector.from_config(make_cfg(tmp_path, ("cpu",)), KVConnectorRole.WORKER, KCC)
     try:
-        heads_first = {n: torch.zeros(2, NB, 2, BS, 4) for n in KCC.kv_cache_groups[0].layer_names}
+        with caplog.at_level("ERROR"):
+            work.register_kv_caches(heads_first)  # the engine still starts
+        worker = work._worker
+        assert worker is not None and worker.disabled is not None and "heads" in worker.disabled
+        assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+            f"kvtier is disabled for this engine (it serves without the cache): {worker.disabled}. Set strict: "
+            "true in kvtier's config to fail at start instead"]
+        stats = work.get_kv_connector_stats()
+        assert stats is not None and stats.data["kvtier_disabled"] == 1
+    finally:
+        work.shutdown()
+    strict = dataclasses.replace(make_cfg(tmp_path, ("cpu",)), strict=True)
+    work = KVTierConnector.from_config(strict, KVConnectorRole.WORKER, KCC)
+    try:
         with pytest.raises(ConnectorError, match="heads"):
             work.register_kv_caches(heads_first)
     finally:

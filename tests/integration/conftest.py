@@ -69,6 +69,42 @@ def _spec(swa: bool) -> Any:
     return FullAttentionSpec(BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
 
 
+def planned_kv_cache_config(hybrid: bool, layout: str = "LBHNC", num_blocks: int = NUM_BLOCKS) -> Any:
+    """vLLM's own planner's KVCacheConfig for the tiny model in ``layout`` (as the engine core resolves it):
+    one full-attention group, or full (layers 0, 2) + sliding window (1, 3) sharing the same tensors."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+
+    cfg = VllmConfig(cache_config=CacheConfig(block_size=BLOCK_SIZE))
+    cfg.cache_config.kv_cache_layout = layout
+    if hybrid:
+        groups = [KVCacheGroupSpec([layer_name(0), layer_name(2)], _spec(False)),
+                  KVCacheGroupSpec([layer_name(1), layer_name(3)], _spec(True))]
+    else:
+        groups = [KVCacheGroupSpec([layer_name(i) for i in range(NUM_LAYERS)], _spec(False))]
+    memory = num_blocks * NUM_LAYERS * _spec(False).page_size_bytes // len(groups)
+    kcc = get_kv_cache_config_from_groups(cfg, groups, memory)
+    kcc.kv_cache_layout = layout  # what the engine core records before the workers allocate
+    return kcc
+
+
+def kv_views(kcc: Any, kernel_block_size: int | None = None) -> dict[str, torch.Tensor]:
+    """The per-layer ``[B, H, N, C]`` views vLLM's worker allocates for ``kcc`` (its own allocate_kv_cache)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    kernels = None if kernel_block_size is None else [kernel_block_size] * len(kcc.kv_cache_groups)
+    return allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[kcc.kv_cache_layout], kernels)
+
+
+def token_cell(view: torch.Tensor, block: int, offset: int, kv: int) -> torch.Tensor:
+    """K (kv=0) or V (1) of every head of one token of a manager block in a ``[B, H, N, C]`` view (C packs K
+    then V), following kernel blocks when the view's blocks are smaller than ``BLOCK_SIZE``."""
+    per = view.shape[2]
+    ratio = BLOCK_SIZE // per
+    kernel_block, kernel_offset = block * ratio + offset // per, offset % per
+    return view[kernel_block, :, kernel_offset, kv * HEAD_SIZE:(kv + 1) * HEAD_SIZE]
+
+
 def make_kv_cache_config(hybrid: bool, num_blocks: int = NUM_BLOCKS) -> Any:
     """vLLM KVCacheConfig by hand: one full-attention group, or full (layers 0, 2) + sliding window (1, 3)."""
     if not hybrid:
@@ -144,6 +180,9 @@ class Kit:
     KVTIER_MODULE = KVTIER_MODULE
     layer_name = staticmethod(layer_name)
     make_kv_cache_config = staticmethod(make_kv_cache_config)
+    planned_kv_cache_config = staticmethod(planned_kv_cache_config)
+    kv_views = staticmethod(kv_views)
+    token_cell = staticmethod(token_cell)
     kvtier_transfer = staticmethod(kvtier_transfer)
     kv_tensors = staticmethod(kv_tensors)
 

@@ -154,7 +154,7 @@ def test_legacy_child_is_built_for_both_roles(role: Any, kit: Any, make_vllm_con
 
 def test_real_scheduler_steps_with_a_legacy_child(kit: Any, make_vllm_config: Any, kvtier_config_file: Any) -> None:
     cfg = make_vllm_config(multi_transfer(kit, kvtier_config_file(), old_style_child()), prefix_caching=False)
-    kcc = kit.make_kv_cache_config(hybrid=False)
+    kcc = kit.planned_kv_cache_config(hybrid=False)
     OldStyleConnector.instances.clear()
     engine = Engine(cfg, kcc, kit)
     try:
@@ -176,7 +176,7 @@ def test_real_scheduler_steps_with_a_legacy_child(kit: Any, make_vllm_config: An
         assert [(c[1], len(c[2])) for c in finished] == [("r1", 4), ("r2", 5)]  # group 0 block ids
         assert ("start_load_kv", ("r1",)) in old_worker.calls and ("wait_for_save",) in old_worker.calls
 
-        stats = engine.worker.get_kv_connector_stats()
+        stats = engine.stats[0]  # as the scheduler received them
         assert isinstance(stats, KVTierMultiStats) and "KVTierConnector" in stats.data
         rebuilt = KVTierMultiConnector.build_kv_connector_stats(stats.to_dict())
         assert rebuilt.to_dict() == stats.to_dict()

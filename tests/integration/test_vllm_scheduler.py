@@ -44,15 +44,17 @@ def fill_value(token: int, layer: int, kv: int) -> float:
 class Engine:
     """The real Scheduler plus kvtier's worker half, stepped like vLLM's engine core."""
 
-    def __init__(self, cfg: Any, kcc: Any, kit: Any) -> None:
+    def __init__(self, cfg: Any, kcc: Any, kit: Any, kernel_block_size: int | None = None,
+                 registered: dict[str, torch.Tensor] | None = None) -> None:
         cfg.cache_config.num_gpu_blocks = kcc.num_blocks
         self.kcc, self.kit = kcc, kit
         self.scheduler = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
                                    structured_output_manager=StructuredOutputManager(cfg), block_size=kit.BLOCK_SIZE)
         self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
-        self.kv = kit.kv_tensors(kcc)
-        self.worker.register_kv_caches(self.kv)
+        self.kv = kit.kv_views(kcc, kernel_block_size)  # vLLM's own allocation: [B, H, N, C] views
+        self.worker.register_kv_caches(self.kv if registered is None else registered)
         self.metadata: list[Any] = []
+        self.stats: list[Any] = []  # the worker's connector stats of each step that had some
 
     def add(self, req_id: str, prompt: list[int]) -> None:
         self.scheduler.add_request(Request(req_id, prompt, SamplingParams(max_tokens=1), None))
@@ -71,8 +73,12 @@ class Engine:
         errors = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
+        stats = self.worker.get_kv_connector_stats()
+        if stats is not None:
+            self.stats.append(stats)
         output = KVConnectorOutput(finished_sending=results.finished_sending or None,
-                                   finished_recving=results.finished_recving or None, invalid_block_ids=errors)
+                                   finished_recving=results.finished_recving or None, invalid_block_ids=errors,
+                                   kv_connector_stats=stats)
         self.scheduler.update_from_output(so, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[5] for _ in ids],
             kv_connector_output=output))
@@ -94,7 +100,8 @@ class Engine:
                     for name in group.layer_names:
                         layer = int(name.split(".")[2])
                         for kv in (0, 1):
-                            self.kv[name][kv, block, offset] = fill_value(tokens[pos], layer, kv)
+                            self.kit.token_cell(self.kv[name], block, offset, kv).fill_(
+                                fill_value(tokens[pos], layer, kv))
 
     def run(self, timeout_s: float = 30.0) -> Iterator[Any]:
         """Step until no request is left. Steps that compute nothing wait on kvtier's background saves or
@@ -113,27 +120,33 @@ class Engine:
         self.worker.shutdown()
 
 
-def expected_blocks(kv: dict[str, torch.Tensor], name: str, blocks: list[int], tokens: list[int], bs: int) -> bool:
-    layer = int(name.split(".")[2])
+def expected_blocks(kit: Any, kv: dict[str, torch.Tensor], name: str, blocks: list[int], tokens: list[int]) -> bool:
+    layer, bs = int(name.split(".")[2]), kit.BLOCK_SIZE
     for i, block in enumerate(blocks):
-        for kv_index in (0, 1):
-            want = torch.tensor([fill_value(tokens[i * bs + o], layer, kv_index) for o in range(bs)],
-                                dtype=kv[name].dtype)
-            got = kv[name][kv_index, block, :, 0, 0]
-            if not torch.equal(got, want) or not torch.all(kv[name][kv_index, block] == got[:, None, None]):
-                return False
+        for offset in range(bs):
+            for kv_index in (0, 1):
+                cell = kit.token_cell(kv[name], block, offset, kv_index)
+                if not torch.all(cell == fill_value(tokens[i * bs + offset], layer, kv_index)):
+                    return False
     return True
 
 
-@pytest.mark.parametrize("tier", ["cpu", "disk"])
-def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, kit: Any, make_vllm_config: Any,
+CASES = [("cpu", layout, None) for layout in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")]
+CASES += [("cpu", "LBHNC", 8), ("cpu", "LBNHC", 8), ("disk", "LBHNC", None)]
+
+
+@pytest.mark.parametrize(("tier", "layout", "kernel"), CASES)
+def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, layout: str, kernel: int | None,
+                                                                   kit: Any, make_vllm_config: Any,
                                                                    kvtier_config_file: Any, tmp_path: Any) -> None:
+    """Every KV-cache layout vLLM can resolve, and kernel blocks of half a scheduler block: the views come from
+    vLLM's own planner and allocator, the hit restores exactly the first request's KV in both groups."""
     tiers = TIERS[tier] % (tmp_path / "kv") if tier == "disk" else TIERS[tier]
     # Local prefix caching off: the second request's hit can only come from kvtier.
     cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers)), prefix_caching=False)
     assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
-    kcc = kit.make_kv_cache_config(hybrid=True)
-    engine = Engine(cfg, kcc, kit)
+    kcc = kit.planned_kv_cache_config(hybrid=True, layout=layout)
+    engine = Engine(cfg, kcc, kit, kernel)
     try:
         assert isinstance(engine.scheduler.connector, KVTierConnector)
         # A failed load (dead tier, corrupt record) recomputes instead of failing the request.
@@ -156,7 +169,7 @@ def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, ki
             ids = engine.scheduler.kv_cache_manager.get_block_ids("r2")
             for g, group in enumerate(kcc.kv_cache_groups):
                 for name in group.layer_names:
-                    assert expected_blocks(engine.kv, name, ids[g][:4], PREFIX, kit.BLOCK_SIZE), (g, name)
+                    assert expected_blocks(kit, engine.kv, name, ids[g][:4], PREFIX), (g, name)
                 loaded[g] = ids[g][:4]
 
         engine.after_load = check_after_load  # type: ignore[method-assign]
@@ -174,3 +187,43 @@ def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, ki
         assert pool.get_num_free_blocks() == kcc.num_blocks - 1  # no leaked blocks
     finally:
         engine.close()
+
+
+def legacy_tensors(kcc: Any, kit: Any) -> dict[str, torch.Tensor]:
+    """Pre-0.32 ``[2, blocks, block, heads, head]`` tensors: not what this engine's layout says."""
+    return {name: torch.zeros(2, kcc.num_blocks, kit.BLOCK_SIZE, 2, 32, dtype=torch.float16)
+            for group in kcc.kv_cache_groups for name in group.layer_names}
+
+
+def test_kv_tensors_kvtier_cannot_read_disable_it_and_the_engine_still_serves(
+        kit: Any, make_vllm_config: Any, kvtier_config_file: Any, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file()), prefix_caching=False)
+    kcc = kit.planned_kv_cache_config(hybrid=True)
+    with caplog.at_level("ERROR"):
+        engine = Engine(cfg, kcc, kit, registered=legacy_tensors(kcc, kit))
+    try:
+        errors = [r for r in caplog.records if r.levelname == "ERROR" and "kvtier is disabled" in r.getMessage()]
+        assert len(errors) == 1 and "LBHNC" in errors[0].getMessage()
+        engine.add("r1", PREFIX)
+        list(engine.run())
+        engine.add("r2", [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6])
+        steps = list(engine.run())
+        assert next(s for s in steps if "r2" in s.num_scheduled_tokens).num_scheduled_tokens == {"r2": 72}  # no hit
+        sched = engine.scheduler.connector._impl._scheduler
+        assert sched.disabled is True
+        assert sched.directory.used_bytes("cpu") == 0  # r1's planned saves were forgotten
+        assert not [spec for meta in engine.metadata[1:] for spec in meta.saves]  # no saves planned after step 1
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == kcc.num_blocks - 1  # no leaked blocks
+    finally:
+        engine.close()
+
+
+def test_strict_mode_fails_the_start_on_kv_tensors_kvtier_cannot_read(kit: Any, make_vllm_config: Any,
+                                                                      kvtier_config_file: Any) -> None:
+    from kvtier.errors import ConnectorError
+
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(), strict=True), prefix_caching=False)
+    kcc = kit.planned_kv_cache_config(hybrid=True)
+    with pytest.raises(ConnectorError, match="LBHNC"):
+        Engine(cfg, kcc, kit, registered=legacy_tensors(kcc, kit))

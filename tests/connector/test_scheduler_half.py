@@ -6,6 +6,7 @@ Real tiers (a cpu pool and a disk tier in a tmp dir) behind a real TieredStore; 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -139,10 +140,32 @@ def test_mamba_group_never_hits(harness: Build) -> None:
     assert h.conn.get_num_new_matched_tokens(Request("r", TOKENS), 0) == (0, False)
 
 
-def test_chunk_size_must_be_a_multiple_of_block_sizes(tmp_path: Path) -> None:
+def test_chunks_the_engines_blocks_do_not_fit_disable_kvtier_or_fail_in_strict_mode(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     kcc = KVCacheConfig((KVCacheGroupSpec(("x",), FullAttentionSpec(3, 1, 4, "float32")),))
+    with caplog.at_level("ERROR"):
+        conn = KVTierConnector.from_config(make_cfg(tmp_path), SCHED, kcc)  # the engine still starts
+    try:
+        assert conn.get_num_new_matched_tokens(Request("r", TOKENS), 0) == (0, False)
+        assert any("kvtier is disabled" in r.getMessage() and "multiple" in r.getMessage() for r in caplog.records)
+    finally:
+        conn.shutdown()
+    strict = dataclasses.replace(make_cfg(tmp_path), strict=True)
     with pytest.raises(ValueError, match="multiple"):
-        KVTierConnector.from_config(make_cfg(tmp_path), SCHED, kcc)
+        KVTierConnector.from_config(strict, SCHED, kcc)
+
+
+def test_a_model_with_a_mamba_group_starts_whatever_its_block_sizes(tmp_path: Path) -> None:
+    """vLLM sizes hybrid models' blocks itself (attention 160, Mamba 1024 tokens, ...): no hit is possible,
+    nothing to check."""
+    odd = KVCacheConfig((KVCacheGroupSpec(("x",), FullAttentionSpec(160, 1, 4, "float32")),
+                         KVCacheGroupSpec(("m",), MAMBA.kv_cache_spec)))
+    strict = dataclasses.replace(make_cfg(tmp_path), strict=True)
+    conn = KVTierConnector.from_config(strict, SCHED, odd)
+    try:
+        assert conn.get_num_new_matched_tokens(Request("r", TOKENS), 0) == (0, False)
+    finally:
+        conn.shutdown()
 
 
 def test_async_flag_follows_the_tier_kind(harness: Build) -> None:

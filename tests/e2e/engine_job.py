@@ -1,0 +1,100 @@
+"""One engine process for the end-to-end tests: real vLLM (CPU build) running a tiny model, with or without kvtier.
+
+    python engine_job.py SPEC.json OUT.json
+
+SPEC (JSON): ``model`` (directory), ``connector`` (null, "kvtier" or "multi": KVTierMultiConnector with kvtier
+and a two-argument legacy child), ``kvtier_config`` (YAML path), ``extra`` (more kv_connector_extra_config),
+``prefix_caching`` (vLLM's own), ``phases`` (lists of prompts, each list one ``LLM.generate`` call), ``kill``
+(``{"after_phase": i, "pid": p}``: SIGKILL a process between phases), ``max_tokens``, ``dtype``.
+
+OUT (JSON): per phase and prompt the greedy tokens, their logprobs (exact floats), ``num_cached_tokens``; the
+kvtier worker's counters since start (``kvtier``; in-process engines only), the legacy child's calls, timings.
+Runs under the ``__main__`` guard: vLLM may spawn processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+T0 = time.perf_counter()
+
+
+def worker_connector() -> Any:
+    """The worker-side connector of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def kvtier_totals(connector: Any) -> dict[str, float] | None:
+    if connector is None:
+        return None
+    impl = connector._impl
+    children = getattr(impl, "sub_connectors", None)
+    if children is not None:  # KVTierMultiConnector: kvtier is the first child
+        impl = children[0]._impl
+    worker = getattr(impl, "_worker", None)
+    return None if worker is None else {**worker.totals(), "disabled": worker.disabled is not None}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+
+    kw: dict[str, Any] = {
+        "model": spec["model"], "skip_tokenizer_init": True, "block_size": 32, "max_model_len": 1024,
+        "enforce_eager": True, "dtype": spec.get("dtype", "float32"), "seed": 0, "max_num_seqs": 8,
+        "enable_prefix_caching": bool(spec.get("prefix_caching", False)), "compilation_config": {"mode": 0},
+        "disable_log_stats": True,
+    }
+    extra = {"config_file": spec["kvtier_config"], **spec.get("extra", {})} if spec.get("kvtier_config") else {}
+    kvtier = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+              "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    if spec.get("connector") == "kvtier":
+        kw["kv_transfer_config"] = kvtier
+    elif spec.get("connector") == "multi":
+        legacy = {"kv_connector": "LegacyCountingConnector", "kv_connector_module_path": "legacy_child",
+                  "kv_role": "kv_both"}
+        kw["kv_transfer_config"] = {"kv_connector": "KVTierMultiConnector",
+                                    "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": {"connectors": [kvtier, legacy]}}
+    t = time.perf_counter()
+    llm = LLM(**kw)
+    engine_s = time.perf_counter() - t
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1, ignore_eos=True,
+                            detokenize=False)
+    phases: list[list[dict[str, Any]]] = []
+    phase_s: list[float] = []
+    kill = spec.get("kill")
+    for i, prompts in enumerate(spec["phases"]):
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        phase_s.append(time.perf_counter() - t)
+        results = []
+        for out in outs:
+            completion = out.outputs[0]
+            logprobs = [d[tok].logprob for tok, d in zip(completion.token_ids, completion.logprobs or [], strict=True)]
+            results.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
+                            "num_cached_tokens": out.num_cached_tokens})
+        phases.append(results)
+        if kill and kill["after_phase"] == i:
+            os.kill(int(kill["pid"]), signal.SIGKILL)
+    connector = worker_connector()
+    legacy_calls = None
+    if spec.get("connector") == "multi" and connector is not None:
+        legacy_calls = sorted({name for name, *_ in connector.sub_connectors[1].calls})
+    result = {"phases": phases, "kvtier": kvtier_totals(connector), "legacy_calls": legacy_calls,
+              "timings": {"engine_s": engine_s, "phase_s": phase_s, "process_s": time.perf_counter() - T0}}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    del llm
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,255 @@
+"""kvtier inside vLLM's CPU engine running real (tiny, random-weight) models: a second engine process gets the
+first one's KV from each tier, and its greedy tokens and logprobs are those of vLLM's own prefix cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conftest import CHUNK, EngineRunner, kvtier_yaml, prompts
+
+HIT = 4 * CHUNK  # A2 shares 260 tokens with A: four whole chunks
+
+
+def same_output(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Identical greedy tokens and bit-identical logprobs."""
+    return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
+
+
+def close_output(got: dict[str, Any], want: dict[str, Any], tol: float = 1e-3) -> bool:
+    """Identical tokens, logprobs within ``tol`` (a prefill split at another point sums in another order)."""
+    return got["tokens"] == want["tokens"] and all(
+        math.isclose(a, b, abs_tol=tol) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
+
+
+def save_then_load(run_engine: EngineRunner, model: tuple[str, str], config: str, *, connector: str = "kvtier",
+                   multiprocessing: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Engine process 1 computes A (kvtier saves it); a new engine process 2 runs A2."""
+    p = prompts()
+    spec = {"model": model[0], "dtype": model[1], "connector": connector, "kvtier_config": config}
+    first = run_engine({**spec, "phases": [[p["A"]]]}, multiprocessing=multiprocessing)
+    second = run_engine({**spec, "phases": [[p["A2"]]]}, multiprocessing=multiprocessing)
+    return first, second
+
+
+def test_llama_second_engine_hits_from_disk_with_the_prefix_caches_output(
+        run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+        references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
+    ref = references("llama")
+    assert ref["A2_prefix_cached"]["num_cached_tokens"] == 256  # vLLM's own prefix cache, for comparison
+    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    first, second = save_then_load(run_engine, models("llama"), config)
+    assert first["phases"][0][0]["num_cached_tokens"] == 0
+    assert first["kvtier"]["save_chunks"] == 4 and not first["kvtier"]["disabled"]
+    out = second["phases"][0][0]
+    assert out["num_cached_tokens"] == HIT
+    assert second["kvtier"]["hits_disk"] == 4 and second["kvtier"].get("load_failures", 0) == 0
+    assert same_output(out, ref["A2_prefix_cached"])
+    assert close_output(out, ref["A2"])
+
+
+def test_llama_second_engine_hits_from_redis(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+                                             references: Callable[[str], dict[str, Any]], workdir: Path,
+                                             redis_factory: Any) -> None:
+    server = redis_factory()
+    config = kvtier_yaml(workdir / "kvtier.yaml",
+                         f"[{{name: redis, kind: redis, capacity: 256MiB, url: '{server.url}', timeout: 1.0}}]")
+    _, second = save_then_load(run_engine, models("llama"), config)
+    out = second["phases"][0][0]
+    assert out["num_cached_tokens"] == HIT and second["kvtier"]["hits_redis"] == 4
+    assert same_output(out, references("llama")["A2_prefix_cached"])
+
+
+def test_hybrid_sliding_window_model_hits_in_both_groups(
+        run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+        references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
+    """Gemma-3 text: sliding-window (64) layers and full-attention layers, two KV-cache groups."""
+    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    _, second = save_then_load(run_engine, models("gemma3"), config)
+    out, totals = second["phases"][0][0], second["kvtier"]
+    assert out["num_cached_tokens"] == HIT
+    # vLLM makes one full-attention group and three sliding-window groups (one layer each); a sliding-window
+    # group needs only the chunk its 64-token window reaches, the full group all four
+    loads = sorted(v for k, v in totals.items() if k.startswith("load_chunks_group"))
+    assert loads == [1, 1, 1, 4], totals
+    assert same_output(out, references("gemma3")["A2_prefix_cached"])
+
+
+def test_mla_model_hits(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+                        references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
+    """DeepSeek-V2-shaped multi-head latent attention (one latent vector per token), bf16."""
+    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    _, second = save_then_load(run_engine, models("deepseek_v2"), config)
+    out = second["phases"][0][0]
+    assert out["num_cached_tokens"] == HIT and second["kvtier"]["hits_disk"] == 4
+    assert same_output(out, references("deepseek_v2")["A2_prefix_cached"])
+
+
+def test_linear_attention_hybrid_serves_without_hits(
+        run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+        references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
+    """Qwen3-Next (gated delta-net + full attention): kvtier does not store the recurrent state, so it never
+    claims a hit; the engine starts and serves the same tokens as without kvtier."""
+    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    _, second = save_then_load(run_engine, models("qwen3_next"), config)
+    out = second["phases"][0][0]
+    assert out["num_cached_tokens"] == 0 and second["kvtier"].get("load_chunks", 0) == 0
+    assert not second["kvtier"]["disabled"]
+    assert close_output(out, references("qwen3_next")["A2"], tol=0.05)  # bf16
+
+
+def test_multi_connector_with_a_legacy_child_hits(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+                                                  references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
+    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    first, second = save_then_load(run_engine, models("llama"), config, connector="multi")
+    out = second["phases"][0][0]
+    assert out["num_cached_tokens"] == HIT and second["kvtier"]["hits_disk"] == 4
+    assert same_output(out, references("llama")["A2_prefix_cached"])
+    # the two-argument child ran in both engines' worker processes (its scheduler half lives in the engine core)
+    assert {"start_load_kv", "wait_for_save"} <= set(first["legacy_calls"])
+    assert "Connector LegacyCountingConnector uses the deprecated two-argument constructor" in first["log"]
+
+
+def test_multiprocess_engine_hits_from_disk(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+                                            references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
+    """vLLM's default: the engine core (scheduler and worker) in a child process."""
+    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    _, second = save_then_load(run_engine, models("llama"), config, multiprocessing=True)
+    out = second["phases"][0][0]
+    assert out["num_cached_tokens"] == HIT
+    assert same_output(out, references("llama")["A2_prefix_cached"])
+
+
+def test_redis_killed_mid_run_requests_complete_with_identical_outputs(
+        run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+        references: Callable[[str], dict[str, Any]], workdir: Path, redis_factory: Any) -> None:
+    server = redis_factory()
+    config = kvtier_yaml(workdir / "kvtier.yaml",
+                         f"[{{name: redis, kind: redis, capacity: 256MiB, url: '{server.url}'}}]")
+    model, dtype = models("llama")
+    p = prompts()
+    assert server.proc is not None
+    result = run_engine({"model": model, "dtype": dtype, "connector": "kvtier", "kvtier_config": config,
+                         "phases": [[p["A"]], [p["A2"], p["B"]], [p["A2"]]],
+                         "kill": {"after_phase": 0, "pid": server.proc.pid}})
+    assert server.proc.wait(timeout=10) is not None  # it is dead
+    ref = references("llama")
+    after_kill = result["phases"][1]
+    assert close_output(after_kill[0], ref["A2"]) and close_output(after_kill[1], ref["B"])
+    assert close_output(result["phases"][2][0], ref["A2"])
+    assert max(result["timings"]["phase_s"][1:]) < 60
+
+
+def _disk_records(root: Path) -> dict[str, Path]:
+    return {f.name: f for f in root.rglob("*") if f.is_file() and not f.name.startswith(".")}
+
+
+def test_negative_controls_a_record_under_the_wrong_key_is_refused_a_forged_one_changes_the_output(
+        run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+        references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
+    """Engine 1 saves A's and B's chunks. (1) B's record files moved over A's: kvtier refuses them (their header
+    names B's keys), recomputes, and the output is the uncached one. (2) B's KV re-encoded as valid records under
+    A's keys (what a hash collision would look like): kvtier loads it and the output changes, which shows the
+    outputs above depend on the loaded KV."""
+    from kvtier import codec
+    from kvtier.keys import chunk_keys
+    from kvtier.tiers.disk_index import Layout
+
+    kv = workdir / "kv"
+    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {kv}}}]")
+    model, dtype = models("llama")
+    p = prompts()
+    spec = {"model": model, "dtype": dtype, "connector": "kvtier", "kvtier_config": config}
+    run_engine({**spec, "phases": [[p["A"]], [p["B"]]]})
+    spaces = [bytes.fromhex(d.name) for d in kv.iterdir() if d.is_dir() and len(d.name) == 32]
+    assert len(spaces) == 1
+    layout = Layout(str(kv), 2)
+    a_keys = chunk_keys(spaces[0], p["A"], CHUNK)[:4]
+    b_keys = chunk_keys(spaces[0], p["B"], CHUNK)[:4]
+    assert all(os.path.exists(layout.path(k)) for k in a_keys + b_keys)
+    originals = {k: Path(layout.path(k)).read_bytes() for k in a_keys}
+
+    for a, b in zip(a_keys, b_keys, strict=True):
+        Path(layout.path(a)).write_bytes(Path(layout.path(b)).read_bytes())
+    moved = run_engine({**spec, "phases": [[p["A2"]]]})["phases"][0][0]
+    assert moved["num_cached_tokens"] == 0
+    assert close_output(moved, references("llama")["A2"])
+
+    for a, b in zip(a_keys, b_keys, strict=True):
+        record = codec.decode(Path(layout.path(b)).read_bytes(), expected_key=b)
+        Path(layout.path(a)).write_bytes(codec.encode_bytes(a, record.payload, record.header.dtype,
+                                                            record.header.shape))
+    forged = run_engine({**spec, "phases": [[p["A2"]]]})["phases"][0][0]
+    assert forged["num_cached_tokens"] == HIT
+    assert forged["tokens"] != references("llama")["A2"]["tokens"]
+
+    for a in a_keys:  # and A's own records restored: the hit gives the right output again
+        Path(layout.path(a)).write_bytes(originals[a])
+    restored = run_engine({**spec, "phases": [[p["A2"]]]})["phases"][0][0]
+    assert restored["num_cached_tokens"] == HIT
+    assert same_output(restored, references("llama")["A2_prefix_cached"])
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        result: dict[str, Any] = json.loads(response.read())
+    return result
+
+
+def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str], tuple[str, str]],
+                                                          references: Callable[[str], dict[str, Any]],
+                                                          workdir: Path) -> None:
+    """``vllm serve`` (the OpenAI server) with kvtier and vLLM's prefix cache off: two HTTP completions sharing
+    a 260-token prefix; the second one's prompt comes 256 tokens from kvtier."""
+    from redis_servers import free_port
+
+    model, dtype = models("llama")
+    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config}}
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
+           "--max-model-len", "1024", "--enforce-eager", "--served-model-name", "tiny", "--seed", "0",
+           "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+           "--kv-transfer-config", json.dumps(transfer)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
+    log = open(workdir / "server.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (workdir / "server.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "server not ready after 300 s"
+                time.sleep(0.5)
+        p = prompts()
+        body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        first = _post(f"{base}/v1/completions", {**body, "prompt": p["A"]})
+        time.sleep(1.0)  # the first request's chunks are visible once its saves are done
+        second = _post(f"{base}/v1/completions", {**body, "prompt": p["A2"]})
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == HIT
+    assert second["choices"][0]["token_ids"] == references("llama")["A2_prefix_cached"]["tokens"]

@@ -11,13 +11,15 @@ import argparse
 import importlib
 import sys
 
-HELP = "run a benchmark: hit-rate, throughput, ttft, overhead"
+HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm"
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "hit-rate": ("kvtier.bench.hitrate", "token hit rate of each eviction policy on a trace or workload"),
     "throughput": ("kvtier.bench.throughput", "store/load GB/s of each tier beside the raw limit of its medium"),
     "ttft": ("kvtier.bench.ttft", "time to first token on the reference engine, no cache vs each tier"),
     "overhead": ("kvtier.bench.overhead", "scheduler-side cost per request when nothing is reused"),
+    "vllm": ("kvtier.bench.vllm_engine", "TTFT and throughput of vLLM's CPU engine: no cache, its prefix cache, "
+             "kvtier from each tier"),
 }
 
 

@@ -49,6 +49,7 @@ class KVTierMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    idle: bool = False  # the step computes no token: workers may block on pending async loads (see WorkerHalf)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves)

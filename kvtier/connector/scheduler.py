@@ -274,8 +274,8 @@ class SchedulerHalf:
     # ---- save plans ------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         """This step's loads and the save plans of chunks that become full during it; resets step state."""
-        meta = KVTierMetadata(loads=self._step_loads)
         scheduled = scheduler_output.num_scheduled_tokens
+        meta = KVTierMetadata(loads=self._step_loads, idle=not any(scheduled.values()))
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._requests:
                 # Never looked up: the engine's request (with its cache salt) was not seen, and vLLM's

@@ -234,6 +234,7 @@ def test_save_plans_cover_only_full_chunks(harness: Build) -> None:
     meta = h.conn.build_connector_meta(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={"r": 2 * C}))
     assert [s.keys for s in meta.saves] == [(keys[1], keys[2])]
     assert meta.saves[0].block_ids == ((3, 4), (5, 6))
+    assert not meta.idle and h.conn.build_connector_meta(SchedulerOutput()).idle  # a step computing nothing
 
 
 def test_write_back_stores_in_the_first_tier_only(harness: Build) -> None:

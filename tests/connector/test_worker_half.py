@@ -382,3 +382,32 @@ def test_a_failing_release_does_not_reach_the_engine() -> None:
     finally:
         worker.close()
         loop.close()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_step_that_computes_nothing_waits_for_pending_async_loads(idle: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine spinning through empty steps holds the GIL: in such a step the worker blocks (bounded) on its
+    pending async loads instead of returning at once; a step with work never waits."""
+    import concurrent.futures
+    import threading
+
+    import kvtier.connector.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 10.0)
+    worker, loop = bounded_worker(CpuTier(CpuTierConfig("cpu", 1 << 20)), paged(3))
+    try:
+        future: concurrent.futures.Future[list[list[torch.Tensor | None]]] = concurrent.futures.Future()
+        worker.start_load_kv(KVTierMetadata(idle=idle))
+        worker._recving["r"] = ([], future)
+        timer = threading.Timer(0.05, future.set_result, ([],))
+        timer.start()
+        t0 = time.monotonic()
+        _, recving = worker.get_finished(set())
+        if idle:
+            assert recving == {"r"} and time.monotonic() - t0 < 5
+        else:
+            assert recving is None and time.monotonic() - t0 < 0.05
+        timer.join()
+    finally:
+        worker.close()
+        loop.close()

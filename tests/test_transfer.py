@@ -199,3 +199,26 @@ def test_direct_paths_match_block_by_block_copies(layout: KVLayout, n_chunks: in
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("ids", [[[4, 5], [6, 7], [8, 9]], [[4, 5], [6, 7], [12, 13]], [[2, 3], [9, 10], [20, 21]]])
+@pytest.mark.parametrize("strided", [False, True])
+def test_pages_in_runs_of_consecutive_blocks_match_block_by_block_copies(ids: list[list[int]], strided: bool) -> None:
+    """Chunks whose blocks follow each other are moved as slices (one copy per run and layer)."""
+    if strided:  # heads outside blocks: pages are not one run of memory
+        src = [_random_bits((HEADS, NUM_BLOCKS, BS, HEAD), torch.bfloat16, s).transpose(0, 1) for s in range(3)]
+    else:
+        src = [_random_bits((NUM_BLOCKS, HEADS, BS, HEAD), torch.bfloat16, s) for s in range(3)]
+    payload = gather(src, ids, KVLayout.PAGES)
+    assert _same_bits(payload, _reference_blocks(src, KVLayout.PAGES, ids))
+    dst = [torch.zeros_like(t) for t in src]
+    targets = [[b + 1 for b in c] for c in ids]
+    targets[1][0] = NULL_BLOCK
+    scatter(dst, targets, KVLayout.PAGES, payload)
+    for li in range(3):
+        for chunk, tids in enumerate(targets):
+            for j, b in enumerate(tids):
+                if b != NULL_BLOCK:
+                    assert _same_bits(dst[li][b], payload[chunk, li, j])
+        written = {b for c in targets for b in c} - {NULL_BLOCK}
+        assert all(not dst[li][b].view(torch.int16).any() for b in range(NUM_BLOCKS) if b not in written)

@@ -252,3 +252,18 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
     assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == HIT
     assert second["choices"][0]["token_ids"] == references("llama")["A2_prefix_cached"]["tokens"]
+
+
+def test_bench_vllm_quick_run_reports_hits_and_same_first_tokens(workdir: Path) -> None:
+    """``kvtier bench vllm --quick``: the benchmark's own engines, a smoke run of two modes."""
+    out = workdir / "vllm_engine.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "bench", "vllm", "--quick", "--modes", "none",
+                           "kvtier_disk", "--json", str(out), "--no-plot"], env=engine_env(workdir),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    table = json.loads(out.read_text())["results"]
+    for length, rows in table.items():
+        assert rows["none"]["cached_tokens"] == 0
+        assert rows["kvtier_disk"]["cached_tokens"] == int(length)
+        assert rows["kvtier_disk"]["same_first_token_as_none"] is True
+        assert rows["kvtier_disk"]["ttft_s"]["median"] > 0 and rows["kvtier_disk"]["speedup_vs_none"] > 0

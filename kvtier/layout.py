@@ -169,6 +169,9 @@ class KVCacheConfig:
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
     num_blocks: int = 0
     kv_layout: str | None = None  # vLLM >= 0.32: the resolved KVCacheLayout name (layer views [B, H, N, C])
+    # what else decides how a page's bytes are packed (vLLM: the device type, whose attention backends pack K and
+    # V differently within a page of the same shape); part of every key's namespace with kv_layout
+    kv_packing: str | None = None
 
     def group_of_layer(self) -> dict[str, int]:
         return {name: gid for gid, g in enumerate(self.kv_cache_groups) for name in g.layer_names}
@@ -211,8 +214,8 @@ def _spec_from_vllm(spec: Any) -> KVCacheSpec:
         heads, head, dtype = int(spec.num_kv_heads), int(spec.head_size), dtype_name(spec.dtype)
     except (AttributeError, TypeError, ValueError):  # a kind of cache (or dtype) kvtier does not model
         return OtherSpec(block, name=cls)
-    if not cls.startswith(SERVED_SPECS):
-        return OtherSpec(block, name=cls)
+    if not cls.startswith(SERVED_SPECS) or getattr(spec, "tokens_per_state", 1) != 1:
+        return OtherSpec(block, name=cls)  # another kind, or compressed / pooled states (not one per token)
     if "SlidingWindow" in cls:  # sliding-window MLA too: only the window is restored (pages move as bytes)
         return SlidingWindowSpec(block, heads, head, dtype, sliding_window=int(spec.sliding_window))
     if "MLA" in cls:

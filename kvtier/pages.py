@@ -68,10 +68,11 @@ def page_axes(layout: str) -> tuple[int, ...]:
     return (0, *(d for d in view_order(layout) if d != 0))
 
 
-def page_view(name: str, tensor: torch.Tensor, layout: str, block_size: int) -> tuple[torch.Tensor, int]:
+def page_view(name: str, tensor: torch.Tensor, layout: str, block_size: int,
+              num_blocks: int = 0) -> tuple[torch.Tensor, int]:
     """``tensor`` (one layer's ``[B, H, N, C]`` view) as ``[kernel_blocks, *page]`` and the number of kernel
     blocks per scheduler block. Raises ``ConnectorError`` naming the layer, the layout and a setting that works
-    when the view does not match the layout or the group's block size."""
+    when the view does not match the layout, the group's block size or (when given) the engine's block count."""
     layout = layout_name(layout)
     shape, stride = tuple(int(d) for d in tensor.shape), tuple(int(s) for s in tensor.stride())
     fix = "set VLLM_KV_CACHE_LAYOUT=LBHNC (the CPU backend's) or LBNHC"
@@ -89,7 +90,12 @@ def page_view(name: str, tensor: torch.Tensor, layout: str, block_size: int) -> 
         raise ConnectorError(f"layer {name}: KV view blocks hold {tokens} token states, which do not divide the "
                              f"group's block size {block_size} (compressed or pooled states are not supported); "
                              "this group cannot be cached")
-    return tensor.permute(*page_axes(layout)), block_size // tokens
+    ratio = block_size // tokens
+    if num_blocks and shape[0] < num_blocks * ratio:
+        raise ConnectorError(f"layer {name}: KV view of {shape[0]} blocks of {tokens} token states cannot hold "
+                             f"{num_blocks} blocks of {block_size} tokens (states that stand for several tokens "
+                             "are not supported); this group cannot be cached")
+    return tensor.permute(*page_axes(layout)), ratio
 
 
 def kernel_ids(ids: Sequence[int], ratio: int) -> tuple[int, ...]:

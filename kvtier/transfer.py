@@ -204,9 +204,12 @@ def page_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``ids`` as runs of consecutive block ids: (position in ``ids``, first id, length)."""
+    """The non-null entries of ``ids`` as runs of consecutive block ids: (position in ``ids``, first id,
+    length); ``NULL_BLOCK`` entries belong to no run."""
     runs: list[tuple[int, int, int]] = []
     for pos, b in enumerate(ids):
+        if b == NULL_BLOCK:
+            continue
         if runs and runs[-1][1] + runs[-1][2] == b and runs[-1][0] + runs[-1][2] == pos:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
@@ -366,7 +369,7 @@ def _scatter_pages(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[
     flat = all(r.dim() == 2 for r in rows)
     for ids, payload in zip(block_ids, chunks, strict=True):
         src = payload.view(len(layers), len(ids), -1) if flat else payload
-        runs = [r for r in _runs(ids) if r[1] != NULL_BLOCK]
+        runs = _runs(ids)
         for li, t in enumerate(rows):
             for pos, first, length in runs:
                 t[first:first + length].copy_(src[li, pos:pos + length])

@@ -214,6 +214,7 @@ def test_pages_in_runs_of_consecutive_blocks_match_block_by_block_copies(ids: li
     dst = [torch.zeros_like(t) for t in src]
     targets = [[b + 1 for b in c] for c in ids]
     targets[1][0] = NULL_BLOCK
+    targets[2] = [NULL_BLOCK, 1]  # a null entry followed by block 1 (the first block an engine hands out)
     scatter(dst, targets, KVLayout.PAGES, payload)
     for li in range(3):
         for chunk, tids in enumerate(targets):
@@ -222,3 +223,17 @@ def test_pages_in_runs_of_consecutive_blocks_match_block_by_block_copies(ids: li
                     assert _same_bits(dst[li][b], payload[chunk, li, j])
         written = {b for c in targets for b in c} - {NULL_BLOCK}
         assert all(not dst[li][b].view(torch.int16).any() for b in range(NUM_BLOCKS) if b not in written)
+
+
+def test_page_scatter_after_null_entries_writes_the_real_blocks() -> None:
+    """Sliding-window loads and blocks the engine already holds come as ``NULL_BLOCK`` before real ids."""
+    src = [_random_bits((NUM_BLOCKS, HEADS, BS, HEAD), torch.bfloat16, s) for s in range(2)]
+    payload = gather(src, [[5, 6, 7, 8]], KVLayout.PAGES)
+    for targets in ([NULL_BLOCK, NULL_BLOCK, 1, 2], [NULL_BLOCK, 1, 2, 3], [NULL_BLOCK, 2, NULL_BLOCK, 3]):
+        dst = [torch.zeros_like(t) for t in src]
+        scatter(dst, [targets], KVLayout.PAGES, payload)
+        for li in range(2):
+            for j, b in enumerate(targets):
+                if b != NULL_BLOCK:
+                    assert _same_bits(dst[li][b], src[li][5 + j]), (targets, j)
+            assert not dst[li][0].view(torch.int16).any()

@@ -158,8 +158,11 @@ def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
            "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", "--worker", str(spec_path),
-                           str(out_path)], env=env, capture_output=True, text=True, timeout=1800)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", "--worker", str(spec_path),
+                               str(out_path)], env=env, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "unavailable": "engine process ran past 1800 s"}
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stdout + proc.stderr)[-1500:]
         return {"mode": mode, "unavailable": f"engine process failed ({proc.returncode}): {tail}"}
@@ -251,10 +254,10 @@ def run(args: argparse.Namespace) -> int:
     lengths = [256, 512] if args.quick else list(args.lengths)
     repeats = 2 if args.quick else args.repeats
     batch = 2 if args.quick else args.batch
+    layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-")))
-        model = args.model or make_model(str(workdir), 2 if args.quick else args.layers,
-                                         256 if args.quick else args.hidden)
+        model = args.model or make_model(str(workdir), layers, hidden)
         redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
         spec = {"model": model, "prompts": _prompts(lengths, repeats, batch), "repeats": repeats, "batch": batch,
                 "max_model_len": max(lengths) + SUFFIX + OUTPUT_TOKENS + 64}
@@ -267,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     table = summarize(results, lengths)
     _print(table)
     settings = {"lengths": lengths, "repeats": repeats, "batch": batch, "chunk_size": CHUNK,
-                "model": args.model or f"random Llama, {args.layers} layers x {args.hidden}, float32",
+                "model": args.model or f"random Llama, {layers} layers x {hidden}, float32",
                 "suffix_tokens": SUFFIX, "output_tokens": OUTPUT_TOKENS}
     try:
         import vllm

@@ -41,11 +41,16 @@ def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | Non
 
 
 def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *,
-                    rank: int | None = None, kv_layout: str | None = None) -> bytes:
-    """16-byte namespace digest of one group (for ``rank``, default the identity's rank). ``kv_layout`` (vLLM's
-    resolved KV-cache layout, when the engine has one) is part of it: records hold pages in that order."""
+                    rank: int | None = None, kv_layout: str | None = None, kv_packing: str | None = None) -> bytes:
+    """16-byte namespace digest of one group (for ``rank``, default the identity's rank). ``kv_layout`` and
+    ``kv_packing`` (vLLM's resolved KV-cache layout and device type, when the engine has them) are part of it:
+    records hold pages as they lie in that engine's memory."""
     spec = group.kv_cache_spec
-    described = spec.describe() if kv_layout is None else {**spec.describe(), "kv_layout": kv_layout}
+    described = spec.describe()
+    if kv_layout is not None:
+        described = {**described, "kv_layout": kv_layout}
+    if kv_packing is not None:
+        described = {**described, "kv_packing": kv_packing}
     ns = Namespace(
         model=ident.model, revision=ident.revision,
         kv_dtype=spec.dtype if isinstance(spec, FullAttentionSpec) else "",
@@ -58,7 +63,8 @@ def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *
 
 def namespaces(ident: Identity, kcc: KVCacheConfig, chunk_size: int, *, rank: int | None = None) -> list[bytes]:
     """Namespace digest of every group of ``kcc``, in group order."""
-    return [group_namespace(ident, g, chunk_size, rank=rank, kv_layout=kcc.kv_layout) for g in kcc.kv_cache_groups]
+    return [group_namespace(ident, g, chunk_size, rank=rank, kv_layout=kcc.kv_layout, kv_packing=kcc.kv_packing)
+            for g in kcc.kv_cache_groups]
 
 
 def request_extra(request: Any) -> bytes:

@@ -124,6 +124,8 @@ class SchedulerHalf:
         self._load_blocks: dict[int, tuple[str, Key]] = {}
         self._req_load_blocks: dict[str, list[int]] = {}
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
+        # a group kvtier does not serve (Mamba, ...) makes every hit 0 (min over groups): saving the others is waste
+        self._never_hits = any(g.kind in UNSERVED for g in kcc.kv_cache_groups)
         if all(g.kind not in UNSERVED for g in kcc.kv_cache_groups):  # else nothing is ever stored or hit
             try:
                 chunk_alignment(cfg.chunk_size, [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
@@ -154,7 +156,7 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` restorable from the tiers, and whether the load is async."""
         self._hits.pop(request.request_id, None)
-        if self.disabled or any(need.kind in UNSERVED for need in self._needs):
+        if self.disabled or self._never_hits:
             return 0, False  # Mamba state is not stored yet: no hit rather than a wrong one
         state = self._state(request.request_id, request)
         if state.opaque:
@@ -306,7 +308,7 @@ class SchedulerHalf:
         return meta
 
     def _plan_saves(self, req_id: str, state: _ReqState, computed: int, meta: KVTierMetadata) -> None:
-        if state.opaque or self.disabled:
+        if state.opaque or self.disabled or self._never_hits:
             return
         size = self.cfg.chunk_size
         full = min(computed, len(_tokens(state.source))) // size

@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtier.connector.base import KVConnectorStats
 from kvtier.connector.keying import Identity, namespaces, rank_key
 from kvtier.connector.plans import DISABLED, FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.registration import derive_config, group_tensors
 from kvtier.directory import StorePlan
 from kvtier.errors import ConnectorError
 from kvtier.keys import Key
-from kvtier.layout import UNSERVED, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, dtype_name
-from kvtier.pages import kernel_ids, page_view
+from kvtier.layout import KVCacheConfig
+from kvtier.pages import kernel_ids
 from kvtier.runtime import LoopThread
-from kvtier.transfer import NULL_BLOCK, KVLayout, block_size_of, detect_layout, gather, scatter
+from kvtier.transfer import NULL_BLOCK, KVLayout, gather, scatter
 
 if TYPE_CHECKING:
     import torch
@@ -53,39 +54,6 @@ WAIT_TIMEOUT_S = 5.0  # longest blocking wait of the engine's thread on the I/O 
 ASYNC_LOAD_TIMEOUT_S = 30.0  # an asynchronous load that takes longer fails (its blocks become load errors)
 IDLE_WAIT_S = 0.02  # in a step that computes nothing, wait this long at most for a pending async load
 CANCEL_GRACE_S = 1.0  # extra wait for a timed-out coroutine to unwind (release what it borrowed)
-
-
-def derive_config(kv_caches: Mapping[str, torch.Tensor]) -> KVCacheConfig:
-    """One full-attention (or MLA) group over every registered layer, from the tensors' shapes."""
-    first = next(iter(kv_caches.values()))
-    layout = detect_layout(first)
-    block = block_size_of(first, layout)
-    dtype = dtype_name(first.dtype)
-    if layout is KVLayout.MLA:
-        spec: FullAttentionSpec = MLAAttentionSpec(block, 1, int(first.shape[2]), dtype)
-    else:
-        spec = FullAttentionSpec(block, int(first.shape[3]), int(first.shape[4]), dtype)
-    blocks = int(first.shape[1] if layout is KVLayout.KV_FIRST else first.shape[0])
-    return KVCacheConfig((KVCacheGroupSpec(tuple(kv_caches), spec),), blocks)
-
-
-def _check_shape(name: str, tensor: torch.Tensor, layout: KVLayout, group: KVCacheGroupSpec) -> None:
-    """Refuse a paged tensor whose block size / heads / head size disagree with its group's spec (another
-    layout, e.g. heads before tokens, would otherwise be read as garbage)."""
-    spec = group.kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec):
-        return
-    if layout is KVLayout.MLA:
-        found: tuple[int, ...] = (int(tensor.shape[1]), int(tensor.shape[2]))
-        wanted: tuple[int, ...] = (spec.block_size, spec.head_size)
-    else:
-        found = tuple(int(d) for d in tensor.shape[2:])
-        wanted = (spec.block_size, spec.num_kv_heads, spec.head_size)
-    if found != wanted:
-        raise ConnectorError(f"layer {name}: paged KV shape {tuple(tensor.shape)} read as {layout} gives "
-                             f"(block, heads, head) {found}, but the KV-cache config says {wanted}; kvtier "
-                             "supports [2, blocks, block, heads, head], [blocks, 2, block, heads, head] and MLA "
-                             "[blocks, block, head]")
 
 
 class _Stats:
@@ -179,37 +147,13 @@ class WorkerHalf:
             logger.warning("no kv_cache_config given: treating all %d layers as one full-attention group",
                            len(kv_caches))
             self.kcc = derive_config(kv_caches)
-        kcc = self.kcc
-        self._layers, self._layouts, self._ratios = [], [], []
-        for gid, group in enumerate(kcc.kv_cache_groups):
-            layers = [kv_caches[n] for n in group.layer_names if n in kv_caches]
-            missing = len(group.layer_names) - len(layers)
-            if missing:
-                logger.warning("%d layer(s) of a %s group have no registered KV tensor", missing, group.kind)
-            ratio = 1
-            if group.kind in UNSERVED:  # never loaded or saved (the scheduler plans no work for such groups)
-                logger.warning("KV-cache group %d (%s) is not cached by kvtier; requests of this model will not "
-                               "hit", gid, group.kind)
-                layout, layers = KVLayout.KV_FIRST, []
-            elif kcc.kv_layout is not None:  # vLLM >= 0.32: [B, H, N, C] views in the engine's layout
-                layout = KVLayout.PAGES
-                views = [page_view(n, t, kcc.kv_layout, group.kv_cache_spec.block_size)
-                         for n, t in zip(group.layer_names, layers, strict=False)]
-                if len({(tuple(v.shape), r) for v, r in views}) > 1:
-                    raise ConnectorError(f"KV-cache group {gid}: its layers' KV views differ in shape "
-                                         f"({sorted({tuple(v.shape) for v, _ in views})}); kvtier stores a group's "
-                                         "layers in one record and cannot cache this group")
-                layers = [v for v, _ in views]
-                ratio = views[0][1] if views else 1
-            else:
-                layout = self._layout_hint or (detect_layout(layers[0]) if layers else KVLayout.KV_FIRST)
-                for name, tensor in zip(group.layer_names, layers, strict=False):
-                    _check_shape(name, tensor, layout, group)
-            self._layers.append(layers)
-            self._layouts.append(layout)
-            self._ratios.append(ratio)
+        groups = [group_tensors(gid, group, kv_caches, self.kcc.kv_layout, self._layout_hint, self.kcc.num_blocks)
+                  for gid, group in enumerate(self.kcc.kv_cache_groups)]
+        self._layers = [g.layers for g in groups]
+        self._layouts = [g.layout for g in groups]
+        self._ratios = [g.ratio for g in groups]
         if self._identity is not None and self._identity.tp_rank != 0:
-            self._rank_spaces = namespaces(self._identity, kcc, self._chunk_size)
+            self._rank_spaces = namespaces(self._identity, self.kcc, self._chunk_size)
 
     def _kernel(self, group: int, block_ids: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
         """The scheduler's block ids of each chunk as ids of the group's tensors (kernel blocks)."""
@@ -361,6 +305,10 @@ class WorkerHalf:
         payloads = self._gather(meta.saves)
         self._stats.add(save_gather_seconds=time.perf_counter() - t0)
         for spec in meta.saves:
+            if any((spec.group, k) not in payloads for k in spec.keys):  # its group's gather failed
+                self._report_failed(spec)
+                self._saves.setdefault(spec.req_id, []).append(_done(None))
+                continue
             items = {self._key(spec.group, k): payloads[(spec.group, k)] for k in spec.keys}
             plans = [self._plan(spec.group, p) for p in spec.plans]
             future = self._loop.submit(self._execute(spec, plans, items))
@@ -386,9 +334,14 @@ class WorkerHalf:
             if not keys:
                 continue
             layers = self._layers[group]
-            # host copies: a step's saves must not hold device memory while tiers write them
-            data = gather(layers, self._kernel(group, blocks), self._layouts[group],
-                          device="cpu" if layers[0].is_cuda else None)
+            try:
+                # host copies: a step's saves must not hold device memory while tiers write them
+                data = gather(layers, self._kernel(group, blocks), self._layouts[group],
+                              device="cpu" if layers[0].is_cuda else None)
+            except (ValueError, RuntimeError, IndexError) as exc:  # a save is never worth an engine failure
+                logger.warning("saving %d chunk(s) of group %d failed: %r", len(keys), group, exc)
+                self._stats.add(save_failures=len(keys))
+                continue
             out.update(((group, k), data[i]) for i, k in enumerate(keys))
         return out
 

@@ -261,7 +261,9 @@ class KVTierConnector(_Facade):
             # the layout the engine core resolved: on the KV-cache config (vLLM >= 0.32), else the cache config
             resolved = layout.kv_layout or getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
             if resolved is not None:
-                layout = dataclasses.replace(layout, kv_layout=canonical_layout(resolved))
+                device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+                layout = dataclasses.replace(layout, kv_layout=canonical_layout(resolved),
+                                             kv_packing=str(device) if device else None)
         self._impl = _TieredForVllm(vllm_config, to_kvtier_role(role), layout)
 
     @property

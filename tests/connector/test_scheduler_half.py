@@ -133,11 +133,15 @@ def test_never_the_whole_prompt_and_beyond_local_hits(harness: Build) -> None:
     assert conn.get_num_new_matched_tokens(Request("s", tokens[:1]), 0) == (0, False)
 
 
-def test_mamba_group_never_hits(harness: Build) -> None:
+def test_mamba_group_never_hits_and_nothing_is_saved_for_it(harness: Build) -> None:
     h = harness(KVCacheConfig((FULL, MAMBA)))
     h.place(TOKENS, 0, [0, 1, 2, 3])
     h.place(TOKENS, 1, [0, 1, 2, 3])
-    assert h.conn.get_num_new_matched_tokens(Request("r", TOKENS), 0) == (0, False)
+    req = Request("r", TOKENS)
+    assert h.conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    h.conn.update_state_after_alloc(req, KVCacheBlocks((list(range(1, 10)), [10])), 0)
+    meta = _schedule_new(h.conn, req, (list(range(1, 10)), [10]), 0, 4 * C)  # four full chunks computed
+    assert meta.saves == []  # the full-attention group's chunks could never be part of a hit
 
 
 def test_chunks_the_engines_blocks_do_not_fit_disable_kvtier_or_fail_in_strict_mode(
@@ -163,7 +167,9 @@ def test_a_model_with_a_mamba_group_starts_whatever_its_block_sizes(tmp_path: Pa
     strict = dataclasses.replace(make_cfg(tmp_path), strict=True)
     conn = KVTierConnector.from_config(strict, SCHED, odd)
     try:
-        assert conn.get_num_new_matched_tokens(Request("r", TOKENS), 0) == (0, False)
+        req = Request("r", TOKENS)
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert _schedule_new(conn, req, ([1, 2], [3]), 0, 4 * C).saves == []
     finally:
         conn.shutdown()
 

@@ -141,7 +141,7 @@ def test_redis_killed_mid_run_requests_complete_with_identical_outputs(
     result = run_engine({"model": model, "dtype": dtype, "connector": "kvtier", "kvtier_config": config,
                          "phases": [[p["A"]], [p["A2"], p["B"]], [p["A2"]]],
                          "kill": {"after_phase": 0, "pid": server.proc.pid}})
-    assert server.proc.wait(timeout=10) is not None  # it is dead
+    assert server.proc.wait(timeout=10) == -signal.SIGKILL  # the engine process killed it after phase 0
     ref = references("llama")
     after_kill = result["phases"][1]
     assert close_output(after_kill[0], ref["A2"]) and close_output(after_kill[1], ref["B"])
@@ -266,4 +266,4 @@ def test_bench_vllm_quick_run_reports_hits_and_same_first_tokens(workdir: Path) 
         assert rows["none"]["cached_tokens"] == 0
         assert rows["kvtier_disk"]["cached_tokens"] == int(length)
         assert rows["kvtier_disk"]["same_first_token_as_none"] is True
-        assert rows["kvtier_disk"]["ttft_s"]["median"] > 0 and rows["kvtier_disk"]["speedup_vs_none"] > 0
+        assert 0 < rows["kvtier_disk"]["ttft_s"]["min"] <= rows["kvtier_disk"]["ttft_s"]["median"]

@@ -70,6 +70,9 @@ def test_views_that_do_not_match_the_description_are_refused_with_the_layout_and
         page_view(name, torch.zeros(2, 8, 16, 2, 32), "LBHNC", kit.BLOCK_SIZE)
     with pytest.raises(ConnectorError, match="do not divide the group's block size 24"):
         page_view(name, view, "LBNHC", 24)
+    kcc = kit.planned_kv_cache_config(hybrid=False, layout="LBNHC")
+    with pytest.raises(ConnectorError, match="cannot hold"):  # 16-token blocks read as 4 kernel blocks of 4
+        page_view(name, view, "LBNHC", 4 * kit.BLOCK_SIZE, num_blocks=kcc.num_blocks)
     with pytest.raises(ConnectorError, match="unknown KV-cache layout 'XYZ'"):
         page_view(name, view, "XYZ", kit.BLOCK_SIZE)
     assert page_view(name, view, "NHD", kit.BLOCK_SIZE)[1] == 1  # vLLM's legacy name for LBNHC

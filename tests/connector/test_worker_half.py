@@ -411,3 +411,38 @@ def test_a_step_that_computes_nothing_waits_for_pending_async_loads(idle: bool, 
     finally:
         worker.close()
         loop.close()
+
+
+def test_a_group_of_mixed_layer_specs_disables_kvtier_on_the_worker() -> None:
+    """vLLM hands the scheduler the first layer's spec of such a group: the worker must refuse it, not crash."""
+    from kvtier.layout import KVCacheConfig, KVCacheGroupSpec, OtherSpec
+
+    mixed = KVCacheConfig((KVCacheGroupSpec(KCC.kv_cache_groups[0].layer_names,
+                                            OtherSpec(BS, name="UniformTypeKVCacheSpecs(mixed)")),), NB)
+    loop = LoopThread()
+    store = TieredStore([CpuTier(CpuTierConfig("cpu", 1 << 20))])
+    loop.run(store.start())
+    worker = WorkerHalf(mixed, store, loop, chunk_size=C)
+    try:
+        worker.register_kv_caches(paged(1))
+        assert worker.disabled is not None and "different specs" in worker.disabled
+    finally:
+        worker.close()
+        loop.run(store.close())
+        loop.close()
+
+
+def test_a_save_whose_copy_fails_is_reported_not_stored(tmp_path: Path) -> None:
+    """A gather that raises (here: blocks past the end of the tensors) costs the save, never the engine."""
+    worker, loop = bounded_worker(CpuTier(CpuTierConfig("cpu", 1 << 20)), paged(3))
+    try:
+        bad = SaveSpec("s", 0, CHUNK_KEYS, ((NB + 5, NB + 6), (3, 4)), (StorePlan("cpu", CHUNK_KEYS),))
+        worker.start_load_kv(KVTierMetadata(saves=[bad]))
+        worker.wait_for_save()  # no exception
+        stats = worker.stats()
+        assert stats is not None and stats.data["save_failures"] == 2
+        assert sorted(row[2] for row in stats.data["failed_saves"]) == sorted(k.hex() for k in CHUNK_KEYS)
+        assert worker.get_finished({"s"})[0] == {"s"}  # the request's blocks are freed
+    finally:
+        worker.close()
+        loop.close()

@@ -10,10 +10,9 @@ A group's layers each own one paged tensor in one of these layouts (``KVLayout``
 
 A chunk of ``C`` tokens spans ``C / block_size`` blocks. Its payload (the record's shape) is one contiguous
 tensor ``[L, 2, C, heads, head]`` (``[L, C, head]`` for MLA, ``[L, blocks, *page]`` for pages) over the group's
-``L`` layers. ``gather`` and
-``scatter`` move all chunks of one group at once: one ``index_select`` / ``index_copy_`` per layer over every
-block of every chunk, no per-token Python work. They run on whatever device the tensors live on; a CUDA stream
-may be passed to overlap copies with compute.
+``L`` layers. ``gather`` and ``scatter`` move all chunks of one group at once: index ops (or, for pages, slice
+copies over runs of consecutive blocks) per layer over every block of every chunk, no per-token Python work.
+They run on whatever device the tensors live on; a CUDA stream may be passed to overlap copies with compute.
 
 Block id ``NULL_BLOCK`` (0, vLLM's null block) in a scatter means "leave this block alone": sliding-window
 groups hold it for out-of-window blocks, and plans use it for blocks the engine already has.
@@ -224,7 +223,7 @@ def _chunk_runs(block_ids: Sequence[Sequence[int]]) -> list[tuple[int, int, int]
     for i, ids in enumerate(block_ids):
         if NULL_BLOCK in ids or any(b != ids[0] + j for j, b in enumerate(ids)):
             return None
-        if runs and runs[-1][1] + (runs[-1][2]) * len(ids) == ids[0]:
+        if runs and runs[-1][1] + runs[-1][2] * len(ids) == ids[0]:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((i, ids[0], 1))

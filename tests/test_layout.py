@@ -147,3 +147,41 @@ def test_describe_is_plain_and_stable() -> None:
     assert spec.describe() == {"kind": "full_attention", "block_size": 16, "num_kv_heads": 8, "head_size": 128,
                                "dtype": "bfloat16"}
     assert KVCacheConfig((KVCacheGroupSpec(("a",), spec),)).group_of_layer() == {"a": 0}
+
+
+class ChunkedLocalAttentionSpecV(FullAttentionSpecV):
+    pass
+
+
+@dataclass
+class UniformTypeKVCacheSpecsV:
+    block_size: int
+    kv_cache_specs: dict[str, Any]
+
+
+@dataclass
+class LayoutConfig:
+    kv_cache_groups: list[Group]
+    num_blocks: int = 0
+    kv_cache_layout: Any = None
+
+
+def test_from_vllm_keeps_the_layout_and_marks_caches_kvtier_does_not_serve() -> None:
+    full = FullAttentionSpecV(32, 2, 64, torch.float32)
+    compressed = MLAAttentionSpecV(64, 1, 576, torch.bfloat16)
+    compressed.tokens_per_state = 4  # type: ignore[attr-defined]  (DeepSeek-V4-style compressed states)
+    vcfg = LayoutConfig([
+        Group(["a"], full),
+        Group(["u.0", "u.1"], UniformTypeKVCacheSpecsV(32, {"u.0": full, "u.1": full})),
+        Group(["m.0", "m.1"], UniformTypeKVCacheSpecsV(32, {"m.0": full, "m.1": FullAttentionSpecV(32, 4, 64,
+                                                                                                   torch.float32)})),
+        Group(["c"], ChunkedLocalAttentionSpecV(32, 2, 64, torch.float32)),
+        Group(["x"], compressed),
+    ], num_blocks=8, kv_cache_layout="LBHNC")
+    cfg = from_vllm(vcfg)
+    assert cfg.kv_layout == "LBHNC" and cfg.num_blocks == 8
+    kinds = [g.kind for g in cfg.kv_cache_groups]
+    assert kinds == [GroupKind.FULL_ATTENTION, GroupKind.FULL_ATTENTION, GroupKind.OTHER, GroupKind.OTHER,
+                     GroupKind.OTHER]
+    assert [getattr(g.kv_cache_spec, "name", None) for g in cfg.kv_cache_groups[2:]] == [
+        "UniformTypeKVCacheSpecsV(mixed)", "ChunkedLocalAttentionSpecV", "MLAAttentionSpecV"]

@@ -126,7 +126,7 @@ class SchedulerHalf:
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         # a group kvtier does not serve (Mamba, ...) makes every hit 0 (min over groups): saving the others is waste
         self._never_hits = any(g.kind in UNSERVED for g in kcc.kv_cache_groups)
-        if all(g.kind not in UNSERVED for g in kcc.kv_cache_groups):  # else nothing is ever stored or hit
+        if not self._never_hits:  # else nothing is ever stored or hit: block sizes do not matter
             try:
                 chunk_alignment(cfg.chunk_size, [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
             except ValueError as exc:  # the engine chose block sizes the configured chunks do not fit
@@ -157,7 +157,7 @@ class SchedulerHalf:
         """Tokens beyond ``num_computed_tokens`` restorable from the tiers, and whether the load is async."""
         self._hits.pop(request.request_id, None)
         if self.disabled or self._never_hits:
-            return 0, False  # Mamba state is not stored yet: no hit rather than a wrong one
+            return 0, False  # e.g. Mamba state is not stored: no hit rather than a wrong one
         state = self._state(request.request_id, request)
         if state.opaque:
             return 0, False
@@ -316,7 +316,7 @@ class SchedulerHalf:
             return
         all_keys = self._keys(state, full)
         for g, group in enumerate(self.kcc.kv_cache_groups):
-            if not self._placement[g] or self._needs[g].kind in UNSERVED:
+            if not self._placement[g]:
                 continue
             per_chunk = size // group.kv_cache_spec.block_size
             unfilled = state.unfilled[g] if g < len(state.unfilled) else range(0)
@@ -369,7 +369,7 @@ class SchedulerHalf:
             self.disabled = True
             logger.error("kvtier: a worker cannot read the engine's KV cache (see its log); no more hits or saves")
         if self._save_reports:
-            for req_id, tier, key, rank in failed_saves(getattr(output, "kv_connector_stats", None)):
+            for req_id, tier, key, rank in failed_saves(stats):
                 if req_id in self._saving:  # late rows (a save cancelled after a timeout) are ignored
                     self._save_failures.setdefault(req_id, {}).setdefault((tier, key), set()).add(rank)
         for req_id in output.finished_sending or ():

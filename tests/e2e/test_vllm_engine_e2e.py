@@ -20,6 +20,11 @@ from conftest import CHUNK, EngineRunner, engine_env, kvtier_yaml, prompts
 HIT = 4 * CHUNK  # A2 shares 260 tokens with A: four whole chunks
 
 
+def disk_config(workdir: Path) -> str:
+    """A kvtier config with one disk tier under ``workdir``."""
+    return kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+
+
 def same_output(got: dict[str, Any], want: dict[str, Any]) -> bool:
     """Identical greedy tokens and bit-identical logprobs."""
     return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
@@ -46,7 +51,7 @@ def test_llama_second_engine_hits_from_disk_with_the_prefix_caches_output(
         references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
     ref = references("llama")
     assert ref["A2_prefix_cached"]["num_cached_tokens"] == 256  # vLLM's own prefix cache, for comparison
-    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    config = disk_config(workdir)
     first, second = save_then_load(run_engine, models("llama"), config)
     assert first["phases"][0][0]["num_cached_tokens"] == 0
     assert first["kvtier"]["save_chunks"] == 4 and not first["kvtier"]["disabled"]
@@ -73,7 +78,7 @@ def test_hybrid_sliding_window_model_hits_in_both_groups(
         run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
         references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
     """Gemma-3 text: sliding-window (64) layers and full-attention layers, two KV-cache groups."""
-    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    config = disk_config(workdir)
     _, second = save_then_load(run_engine, models("gemma3"), config)
     out, totals = second["phases"][0][0], second["kvtier"]
     assert out["num_cached_tokens"] == HIT
@@ -87,7 +92,7 @@ def test_hybrid_sliding_window_model_hits_in_both_groups(
 def test_mla_model_hits(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
                         references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
     """DeepSeek-V2-shaped multi-head latent attention (one latent vector per token), bf16."""
-    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    config = disk_config(workdir)
     _, second = save_then_load(run_engine, models("deepseek_v2"), config)
     out = second["phases"][0][0]
     assert out["num_cached_tokens"] == HIT and second["kvtier"]["hits_disk"] == 4
@@ -99,7 +104,7 @@ def test_linear_attention_hybrid_serves_without_hits(
         references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
     """Qwen3-Next (gated delta-net + full attention): kvtier does not store the recurrent state, so it never
     claims a hit; the engine starts and serves the same tokens as without kvtier."""
-    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    config = disk_config(workdir)
     _, second = save_then_load(run_engine, models("qwen3_next"), config)
     out = second["phases"][0][0]
     assert out["num_cached_tokens"] == 0 and second["kvtier"].get("load_chunks", 0) == 0
@@ -109,7 +114,7 @@ def test_linear_attention_hybrid_serves_without_hits(
 
 def test_multi_connector_with_a_legacy_child_hits(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
                                                   references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
-    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    config = disk_config(workdir)
     first, second = save_then_load(run_engine, models("llama"), config, connector="multi")
     out = second["phases"][0][0]
     assert out["num_cached_tokens"] == HIT and second["kvtier"]["hits_disk"] == 4
@@ -122,7 +127,7 @@ def test_multi_connector_with_a_legacy_child_hits(run_engine: EngineRunner, mode
 def test_multiprocess_engine_hits_from_disk(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
                                             references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
     """vLLM's default: the engine core (scheduler and worker) in a child process."""
-    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    config = disk_config(workdir)
     _, second = save_then_load(run_engine, models("llama"), config, multiprocessing=True)
     out = second["phases"][0][0]
     assert out["num_cached_tokens"] == HIT
@@ -214,7 +219,7 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
     from redis_servers import free_port
 
     model, dtype = models("llama")
-    config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
+    config = disk_config(workdir)
     transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                 "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config}}
     port = free_port()

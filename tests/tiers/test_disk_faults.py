@@ -104,7 +104,10 @@ def run_writer_and_kill(root: Path, after: int) -> set[int]:
             done.add(int(line))
     time.sleep(0.003 * after % 0.02)  # land the kill at varying points of the next write
     os.kill(proc.pid, signal.SIGKILL)
-    rest, err = proc.communicate(timeout=30)  # acknowledgements printed before the kill
+    proc.wait(timeout=30)
+    # acknowledgements printed before the kill: read through the same buffered stream as readline() above
+    # (communicate() with a timeout reads the raw pipe and would drop lines readline() had buffered ahead)
+    rest, err = proc.stdout.read(), (proc.stderr.read() if proc.stderr else "")
     done |= {int(line) for line in rest.split() if int(line) >= 0}
     assert len(done) >= after, f"writer did not make progress: {err[-2000:]}"
     return done

@@ -374,13 +374,22 @@ def _scatter_pages(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[
                 t[first:first + length].copy_(src[li, pos:pos + length])
 
 
+def _check_dtypes(payloads: torch.Tensor | Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    """Refuse payloads of another dtype than the engine's KV: converting them would load other KV than was
+    computed (a record of another dtype belongs to another namespace)."""
+    found = {payloads.dtype} if isinstance(payloads, torch.Tensor) else {p.dtype for p in payloads}
+    if found - {dtype}:
+        raise ValueError(f"payloads of dtype {sorted(map(str, found))} cannot be loaded into KV of dtype {dtype}; "
+                         "a record is never converted")
+
+
 def scatter(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], layout: KVLayout,
             payloads: torch.Tensor | Sequence[torch.Tensor], *, stream: Any = None) -> None:
     """Write chunk payloads into a group's paged tensors at ``block_ids``; ``NULL_BLOCK`` entries are skipped.
 
     ``payloads`` is ``[n_chunks, *payload_shape]`` or a sequence of per-chunk payloads (any device; they are
-    moved to the layers' device). Payloads already on the layers' device with their dtype are copied straight
-    into the blocks: one copy per byte, no temporary.
+    moved to the layers' device) of the layers' dtype: another dtype raises ``ValueError``, never converted.
+    Payloads already on the layers' device are copied straight into the blocks: one copy per byte, no temporary.
     """
     bpc = _check(layers, block_ids, layout)
     n = len(block_ids)
@@ -388,14 +397,15 @@ def scatter(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], 
         return
     first = layers[0]
     expected = _payload_shape(first, layout, len(layers), bpc)
+    _check_dtypes(payloads, first.dtype)
     with _on_stream(stream):
         if isinstance(payloads, torch.Tensor):
-            data = payloads.to(device=first.device, dtype=first.dtype, non_blocking=True).contiguous()
+            data = payloads.to(device=first.device, non_blocking=True).contiguous()
             if tuple(data.shape) != (n, *expected):
                 raise ValueError(f"payloads have shape {tuple(data.shape)}, expected {(n, *expected)}")
             chunks = list(data.unbind(0))
         else:
-            chunks = [p.to(device=first.device, dtype=first.dtype, non_blocking=True).contiguous() for p in payloads]
+            chunks = [p.to(device=first.device, non_blocking=True).contiguous() for p in payloads]
             if len(chunks) != n or any(tuple(p.shape) != expected for p in chunks):
                 raise ValueError(f"payloads have shapes {[tuple(p.shape) for p in chunks]}, expected {n} of "
                                  f"{expected}")

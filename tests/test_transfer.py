@@ -237,3 +237,14 @@ def test_page_scatter_after_null_entries_writes_the_real_blocks() -> None:
                 if b != NULL_BLOCK:
                     assert _same_bits(dst[li][b], src[li][5 + j]), (targets, j)
             assert not dst[li][0].view(torch.int16).any()
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_scatter_refuses_payloads_of_another_dtype_and_leaves_the_blocks_alone(as_list: bool) -> None:
+    dst = _paged(KVLayout.KV_FIRST, 2, torch.bfloat16, seed=2)
+    before = [t.clone() for t in dst]
+    blocks = [(1, 2)]
+    payload = gather(dst, blocks, KVLayout.KV_FIRST).to(torch.float32)
+    with pytest.raises(ValueError, match="never converted"):
+        scatter(dst, blocks, KVLayout.KV_FIRST, list(payload) if as_list else payload)
+    assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))

@@ -88,6 +88,22 @@ class _Stats:
         return data
 
 
+class _GroupLoad:
+    """The chunks of one group read for one scatter: their blocks, payloads and tiers."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[int, ...]] = []
+        self.payloads: list[torch.Tensor] = []
+        self.per_tier: dict[str, int] = {}
+        self.nbytes = 0
+
+    def add(self, tier: str, ids: tuple[int, ...], payload: torch.Tensor) -> None:
+        self.blocks.append(ids)
+        self.payloads.append(payload)
+        self.per_tier[tier] = self.per_tier.get(tier, 0) + 1
+        self.nbytes += payload.numel() * payload.element_size()
+
+
 def _done(value: T) -> concurrent.futures.Future[T]:
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
     future.set_result(value)
@@ -264,27 +280,33 @@ class WorkerHalf:
         return list(await asyncio.gather(*reads))
 
     def _apply(self, specs: Sequence[LoadSpec], results: Sequence[Reads]) -> None:
-        """Scatter what was read, one batched scatter per group; blocks of failed chunks become errors."""
-        per_group: dict[int, tuple[list[tuple[int, ...]], list[torch.Tensor]]] = {}
+        """Scatter what was read, one batched scatter per group; blocks of failed chunks become errors.
+
+        A chunk counts as loaded (``load_chunks``, ``hits_<tier>``, ``load_chunks_group<g>``, ``load_bytes``) only
+        once its copy into the engine's blocks has completed; a chunk that was not read, or whose group's scatter
+        failed, counts in ``load_failures`` and its blocks are reported for recompute."""
+        per_group: dict[int, _GroupLoad] = {}
+        missing = 0
         for spec, values in zip(specs, results, strict=True):
-            hits = 0
             for ids, value in zip(spec.block_ids, values, strict=True):
                 if value is None:
                     self._errors.update(b for b in ids if b != NULL_BLOCK)
+                    missing += 1
                     continue
-                blocks, payloads = per_group.setdefault(spec.group, ([], []))
-                blocks.append(ids)
-                payloads.append(value)
-                hits += 1
-                self._stats.add(load_bytes=value.numel() * value.element_size())
-            self._stats.add(load_chunks=hits, load_failures=len(values) - hits,
-                            **{f"hits_{spec.tier}": hits, f"load_chunks_group{spec.group}": hits})
-        for group, (blocks, payloads) in per_group.items():
+                per_group.setdefault(spec.group, _GroupLoad()).add(spec.tier, ids, value)
+        if missing:
+            self._stats.add(load_failures=missing)
+        for group, load in per_group.items():
             try:
-                scatter(self._layers[group], self._kernel(group, blocks), self._layouts[group], payloads)
+                scatter(self._layers[group], self._kernel(group, load.blocks), self._layouts[group], load.payloads)
             except (ValueError, RuntimeError, IndexError) as exc:  # wrong shape/dtype: a bad record
-                logger.warning("loading %d chunk(s) into group %d failed: %s", len(blocks), group, exc)
-                self._errors.update(b for ids in blocks for b in ids if b != NULL_BLOCK)
+                logger.warning("loading %d chunk(s) into group %d failed: %s", len(load.blocks), group, exc)
+                self._errors.update(b for ids in load.blocks for b in ids if b != NULL_BLOCK)
+                self._stats.add(load_failures=len(load.blocks), load_scatter_failures=len(load.blocks))
+                continue
+            self._stats.add(load_chunks=len(load.blocks), load_bytes=load.nbytes,
+                            **{f"load_chunks_group{group}": len(load.blocks)},
+                            **{f"hits_{tier}": n for tier, n in load.per_tier.items()})
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Synchronous loads are complete when ``start_load_kv`` returns; nothing to wait for per layer."""

@@ -446,3 +446,34 @@ def test_a_save_whose_copy_fails_is_reported_not_stored(tmp_path: Path) -> None:
     finally:
         worker.close()
         loop.close()
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape"])
+def test_a_chunk_counts_as_loaded_only_once_its_copy_landed(bad: str) -> None:
+    """Counters follow the copy into the engine's blocks: a record the scatter refuses (another dtype, another
+    shape) is a load failure with its blocks reported, never a hit; good records count as hits."""
+    kv = paged(3)
+    tier = CpuTier(CpuTierConfig("cpu", 1 << 20))
+    worker, loop = bounded_worker(tier, kv)
+    try:
+        good = gather(list(kv.values()), [(1, 2), (3, 4)], KVLayout.KV_FIRST)
+        wrong = good.float() if bad == "dtype" else good.reshape(2, -1)[:, :good[0].numel() // 2].contiguous()
+        loop.run(tier.put([(CHUNK_KEYS[0], good[0]), (CHUNK_KEYS[1], good[1])]))
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
+        assert worker.get_block_ids_with_load_errors() == set()
+        stats = worker.stats()
+        assert stats is not None
+        assert {k: stats.data.get(k) for k in ("load_chunks", "hits_cpu", "load_chunks_group0", "load_failures")} \
+            == {"load_chunks": 2, "hits_cpu": 2, "load_chunks_group0": 2, "load_failures": None}
+
+        bad_key = bytes([9]) * 32
+        loop.run(tier.put([(bad_key, wrong[0])]))
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("s", 0, "cpu", (bad_key,), CHUNK_BLOCKS[:1])]))
+        assert worker.get_block_ids_with_load_errors() == set(CHUNK_BLOCKS[0])
+        stats = worker.stats()
+        assert stats is not None
+        assert stats.data["load_failures"] == 1 and stats.data["load_scatter_failures"] == 1
+        assert not {"load_chunks", "hits_cpu", "load_chunks_group0", "load_bytes"} & set(stats.data)
+    finally:
+        worker.close()
+        loop.close()

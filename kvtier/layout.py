@@ -63,17 +63,31 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
+    """Attention KV. ``head_size_v``, ``head_slots`` and ``content_bytes`` say how the engine packs a page (vLLM
+    >= 0.32: V's head size, the H axis of a layer's ``[B, H, N, C]`` view and C in bytes when packed); None where
+    the engine does not say. They join the namespace: two backends whose pages have one shape but pack K and V
+    differently never share records."""
+
     num_kv_heads: int = 1
     head_size: int = 64
     dtype: str = "bfloat16"
+    head_size_v: int | None = None
+    head_slots: int | None = None
+    content_bytes: int | None = None
     kind: GroupKind = field(init=False, default=GroupKind.FULL_ATTENTION)
 
     def bytes_per_token_per_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+        if self.content_bytes is not None:
+            return (self.head_slots or self.num_kv_heads) * self.content_bytes
+        head_v = self.head_size if self.head_size_v is None else self.head_size_v
+        return self.num_kv_heads * (self.head_size + head_v) * DTYPE_SIZES[self.dtype]
 
     def describe(self) -> dict[str, Any]:
+        packing = {"head_size_v": self.head_size_v, "head_slots": self.head_slots,
+                   "content_bytes": self.content_bytes}
         return {"kind": str(self.kind), "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
-                "head_size": self.head_size, "dtype": self.dtype}
+                "head_size": self.head_size, "dtype": self.dtype,
+                **{k: v for k, v in packing.items() if v is not None}}
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,8 @@ class MLAAttentionSpec(FullAttentionSpec):
     kind: GroupKind = field(init=False, default=GroupKind.MLA)
 
     def bytes_per_token_per_layer(self) -> int:
+        if self.content_bytes is not None:
+            return (self.head_slots or self.num_kv_heads) * self.content_bytes
         return self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
 
 
@@ -216,13 +232,25 @@ def _spec_from_vllm(spec: Any) -> KVCacheSpec:
         return OtherSpec(block, name=cls)
     if not cls.startswith(SERVED_SPECS) or getattr(spec, "tokens_per_state", 1) != 1:
         return OtherSpec(block, name=cls)  # another kind, or compressed / pooled states (not one per token)
+    packing = _packing(spec)
     if "SlidingWindow" in cls:  # sliding-window MLA too: only the window is restored (pages move as bytes)
-        return SlidingWindowSpec(block, heads, head, dtype, sliding_window=int(spec.sliding_window))
+        return SlidingWindowSpec(block, heads, head, dtype, **packing, sliding_window=int(spec.sliding_window))
     if "MLA" in cls:
-        return MLAAttentionSpec(block, heads, head, dtype)
+        return MLAAttentionSpec(block, heads, head, dtype, **packing)
     # With HMA off vLLM merges sliding-window layers into one FullAttentionSpec that carries
     # ``sliding_window``; restoring every chunk of such a group is always correct.
-    return FullAttentionSpec(block, heads, head, dtype)
+    return FullAttentionSpec(block, heads, head, dtype, **packing)
+
+
+def _packing(spec: Any) -> dict[str, int | None]:
+    """How a vLLM attention spec packs a page (``head_size_v``, ``num_head_slots``, ``state_content_bytes``, where
+    the version has them), as kvtier's spec fields."""
+    def number(name: str) -> int | None:
+        value = getattr(spec, name, None)
+        return int(value) if isinstance(value, int) else None
+
+    return {"head_size_v": number("head_size_v"), "head_slots": number("num_head_slots"),
+            "content_bytes": number("state_content_bytes")}
 
 
 def from_vllm(kv_cache_config: Any) -> KVCacheConfig:

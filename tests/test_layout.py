@@ -185,3 +185,39 @@ def test_from_vllm_keeps_the_layout_and_marks_caches_kvtier_does_not_serve() -> 
                      GroupKind.OTHER]
     assert [getattr(g.kv_cache_spec, "name", None) for g in cfg.kv_cache_groups[2:]] == [
         "UniformTypeKVCacheSpecsV(mixed)", "ChunkedLocalAttentionSpecV", "MLAAttentionSpecV"]
+
+
+@dataclass
+class FullAttentionSpecPackedV(FullAttentionSpecV):
+    """vLLM >= 0.32's attention spec fields for how a page is packed."""
+
+    head_size_v: int | None = None
+    num_head_slots: int | None = None
+    state_content_bytes: int | None = None
+
+
+def test_page_packing_joins_the_namespace_and_registered_views_must_follow_it() -> None:
+    """Two backends whose pages have one shape but pack K and V differently (here [B, 2, N, H*D] vs
+    [B, H, N, 2D] with 2 KV heads: 2 slots of 512 bytes either way) never share records, and a view that does not
+    follow its spec is refused."""
+    from kvtier.connector.keying import Identity, group_namespace
+    from kvtier.connector.registration import check_packing
+    from kvtier.errors import ConnectorError
+
+    heads_then_kv = FullAttentionSpecPackedV(32, 2, 64, torch.float32, None, 64, 2, 512)
+    kv_then_heads = FullAttentionSpecPackedV(32, 2, 64, torch.float32, None, 64, 2, 512)
+    kv_then_heads.head_size_v = 32  # another packing of the same page shape: differs in what C holds
+    plain = from_vllm(VllmConfig([Group(["a"], FullAttentionSpecV(32, 2, 64, torch.float32))]))
+    packed = [from_vllm(VllmConfig([Group(["a"], s)])) for s in (heads_then_kv, kv_then_heads)]
+    spec = packed[0].kv_cache_groups[0].kv_cache_spec
+    assert isinstance(spec, FullAttentionSpec)
+    assert (spec.head_size_v, spec.head_slots, spec.content_bytes) == (64, 2, 512)
+    assert spec.describe()["content_bytes"] == 512 and "content_bytes" not in plain.kv_cache_groups[0].kv_cache_spec.describe()
+    assert spec.bytes_per_token_per_layer() == 2 * 512
+    ident = Identity("m")
+    digests = {group_namespace(ident, cfg.kv_cache_groups[0], 64) for cfg in (plain, *packed)}
+    assert len(digests) == 3
+
+    check_packing("a", torch.zeros(4, 2, 32, 128), spec)  # 2 slots x 128 float32 = 512 bytes: follows the spec
+    with pytest.raises(ConnectorError, match="head slots"):
+        check_packing("a", torch.zeros(4, 4, 32, 64), spec)

@@ -74,6 +74,19 @@ def check_shape(name: str, tensor: torch.Tensor, layout: KVLayout, group: KVCach
                              "[blocks, block, head]")
 
 
+def check_packing(name: str, view: torch.Tensor, spec: object) -> None:
+    """Refuse a layer view ``[B, H, N, C]`` whose head slots or content bytes are not those of its group's spec
+    (part of every key's namespace): its pages would be stored under a description they do not follow."""
+    if not isinstance(spec, FullAttentionSpec) or view.dim() != 4:
+        return
+    slots, content = int(view.shape[1]), int(view.shape[3]) * view.element_size()
+    if spec.head_slots is not None and slots != spec.head_slots or \
+            spec.content_bytes is not None and content != spec.content_bytes:
+        raise ConnectorError(f"layer {name}: KV view {tuple(view.shape)} has {slots} head slots of {content} bytes "
+                             f"per token, but the KV-cache spec says {spec.head_slots} of {spec.content_bytes}; "
+                             "this group cannot be cached")
+
+
 def group_tensors(gid: int, group: KVCacheGroupSpec, kv_caches: Mapping[str, torch.Tensor],
                   kv_layout: str | None, layout_hint: KVLayout | None = None, num_blocks: int = 0) -> GroupTensors:
     """Group ``gid``'s registered tensors, checked and viewed the way kvtier moves them."""
@@ -91,6 +104,8 @@ def group_tensors(gid: int, group: KVCacheGroupSpec, kv_caches: Mapping[str, tor
                        gid, group.kind)
         return GroupTensors([], KVLayout.KV_FIRST)
     if kv_layout is not None:  # vLLM >= 0.32: [B, H, N, C] views in the engine's layout
+        for name, tensor in zip(group.layer_names, layers, strict=False):
+            check_packing(name, tensor, spec)
         views = [page_view(n, t, kv_layout, spec.block_size, num_blocks)
                  for n, t in zip(group.layer_names, layers, strict=False)]
         if len({(tuple(v.shape), r) for v, r in views}) > 1:

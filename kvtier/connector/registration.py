@@ -80,8 +80,8 @@ def check_packing(name: str, view: torch.Tensor, spec: object) -> None:
     if not isinstance(spec, FullAttentionSpec) or view.dim() != 4:
         return
     slots, content = int(view.shape[1]), int(view.shape[3]) * view.element_size()
-    if spec.head_slots is not None and slots != spec.head_slots or \
-            spec.content_bytes is not None and content != spec.content_bytes:
+    if (spec.head_slots is not None and slots != spec.head_slots) or \
+            (spec.content_bytes is not None and content != spec.content_bytes):
         raise ConnectorError(f"layer {name}: KV view {tuple(view.shape)} has {slots} head slots of {content} bytes "
                              f"per token, but the KV-cache spec says {spec.head_slots} of {spec.content_bytes}; "
                              "this group cannot be cached")

@@ -98,10 +98,11 @@ class SchedulerHalf:
 
     def __init__(self, cfg: KvtierConfig, kcc: KVCacheConfig, spaces: Sequence[bytes], *, directory: Directory,
                  tiers: Mapping[str, Tier], loop: LoopThread | None = None, tp_size: int = 1,
-                 save_reports: bool = True) -> None:
+                 save_reports: bool = True, blocker: str | None = None) -> None:
         """``tp_size``: how many worker ranks save each chunk (a chunk is forgotten when all of them report it
         not stored). ``save_reports=False`` when ``directory`` is the workers' own store's (one process): the
-        store has already completed every write there, failed ones included."""
+        store has already completed every write there, failed ones included. ``blocker``: why the engine cannot
+        compute on a cached prefix (kvtier.connector.capability); kvtier then plans no loads and no saves."""
         self.cfg, self.kcc, self.directory = cfg, kcc, directory
         self._spaces = list(spaces)
         self._tiers = dict(tiers)
@@ -125,7 +126,9 @@ class SchedulerHalf:
         self._req_load_blocks: dict[str, list[int]] = {}
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         # a group kvtier does not serve (Mamba, ...) makes every hit 0 (min over groups): saving the others is waste
-        self._never_hits = any(g.kind in UNSERVED for g in kcc.kv_cache_groups)
+        self._never_hits = any(g.kind in UNSERVED for g in kcc.kv_cache_groups) or blocker is not None
+        if blocker is not None:
+            logger.warning("kvtier loads and saves nothing in this engine: %s", blocker)
         if not self._never_hits:  # else nothing is ever stored or hit: block sizes do not matter
             try:
                 chunk_alignment(cfg.chunk_size, [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])

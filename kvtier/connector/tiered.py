@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, KvtierConfig, load_config
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
+from kvtier.connector.capability import prefix_resume_blocker
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.scheduler import SchedulerHalf
@@ -146,7 +147,7 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
         if self._store is not None:
             tiers = {n: self._store.tier(n) for n in self._store.tier_names}
             return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop,
-                                 save_reports=False)
+                                 save_reports=False, blocker=prefix_resume_blocker(self._vllm_config))
         from kvtier.tiers import make_tier
 
         # the scheduler plans with rank 0's keys, so it sees rank 0's disk directory (the other ranks hold the
@@ -165,7 +166,8 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
             if not tier.is_shared:
                 directory.adopt(tier.name, ((e.key, e.size) for e in tier.entries()))
         return SchedulerHalf(cfg, kcc, spaces, directory=directory, tiers={t.name: t for t in built},
-                             loop=self._loop, tp_size=ident.tp_size)
+                             loop=self._loop, tp_size=ident.tp_size,
+                             blocker=prefix_resume_blocker(self._vllm_config))
 
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
         ident = identity_from(cfg, self._vllm_config, tp_rank=self._worker_tp_rank())

@@ -151,8 +151,9 @@ def make_vllm_config(model_config: Any) -> Callable[..., Any]:
     """A real VllmConfig around a kv_transfer_config dict; ``disable_hma`` None = vLLM's default decision."""
 
     def build(transfer: dict[str, Any], disable_hma: bool | None = None, with_model: bool = True,
-              prefix_caching: bool = True) -> Any:
+              prefix_caching: bool = True, chunked_prefill: bool = True) -> Any:
         scheduler = SchedulerConfig.default_factory(disable_hybrid_kv_cache_manager=disable_hma)
+        scheduler.enable_chunked_prefill = chunked_prefill
         return VllmConfig(model_config=model_config if with_model else None,
                           cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
                           scheduler_config=scheduler, kv_transfer_config=KVTransferConfig(**transfer))

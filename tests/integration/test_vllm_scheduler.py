@@ -227,3 +227,33 @@ def test_strict_mode_fails_the_start_on_kv_tensors_kvtier_cannot_read(kit: Any, 
     kcc = kit.planned_kv_cache_config(hybrid=True)
     with pytest.raises(ConnectorError, match="LBHNC"):
         Engine(cfg, kcc, kit, registered=legacy_tensors(kcc, kit))
+
+
+@pytest.mark.parametrize("chunked_prefill", [False, True])
+def test_an_engine_that_cannot_prefill_after_a_cached_prefix_gets_no_hits_and_saves_nothing(
+        chunked_prefill: bool, kit: Any, make_vllm_config: Any, kvtier_config_file: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM turns prefix caching and chunked prefill both off when its attention cannot compute on a cached
+    prefix (its CPU platform does so for MLA without AMX): kvtier then loads and saves nothing, and says so once.
+    With chunked prefill on (prefix caching still off) the same engine hits: the gate is not prefix caching."""
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file()), prefix_caching=False,
+                           chunked_prefill=chunked_prefill)
+    kcc = kit.planned_kv_cache_config(hybrid=True)
+    with caplog.at_level("WARNING"):
+        engine = Engine(cfg, kcc, kit)
+    try:
+        said = [r for r in caplog.records if "kvtier loads and saves nothing" in r.getMessage()]
+        assert len(said) == (0 if chunked_prefill else 1)
+        engine.add("r1", PREFIX)
+        list(engine.run())
+        engine.add("r2", [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6])
+        steps = list(engine.run())
+        computed = next(s for s in steps if "r2" in s.num_scheduled_tokens).num_scheduled_tokens["r2"]
+        loads = [spec for meta in engine.metadata for spec in meta.loads]
+        saves = [spec for meta in engine.metadata for spec in meta.saves]
+        if chunked_prefill:
+            assert computed == 8 and loads and saves
+        else:
+            assert computed == 72 and not loads and not saves
+    finally:
+        engine.close()

@@ -144,6 +144,7 @@ class NamespaceConfig:
     model: str = "default"
     revision: str = "main"
     tenant: str = ""  # salt that isolates tenants sharing tiers
+    weights: str = "auto"  # how the weights join the namespace (kvtier.fingerprint.WEIGHT_MODES)
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,10 @@ def _field_value(name: str, annotation: str, value: Any, path: str, env: Mapping
         from kvtier.policy import POLICIES  # at validation time: policies register themselves there
 
         return choice(value, path, POLICIES, "eviction policy")
+    if name == "weights":
+        from kvtier.fingerprint import WEIGHT_MODES
+
+        return choice(value, path, WEIGHT_MODES, "weights fingerprint mode")
     if name == "compression":
         text = choice(value, path, COMPRESSIONS, "compression")
         return None if text == "none" else text

@@ -36,10 +36,11 @@ class Namespace:
     chunk_size: int = 256
     tenant: str = ""
     format_version: int = FORMAT_VERSION
+    fingerprint: str = ""  # what computes the KV: config, dtypes, quantization, weights (kvtier.fingerprint)
 
     def canonical(self) -> bytes:
         body = {
-            "model": self.model, "revision": self.revision, "kv_dtype": self.kv_dtype,
+            "model": self.model, "revision": self.revision, "fingerprint": self.fingerprint, "kv_dtype": self.kv_dtype,
             "group": dict(self.group), "layers": list(self.layer_names), "tp": [self.tp_rank, self.tp_size],
             "chunk": self.chunk_size, "tenant": self.tenant, "v": self.format_version,
         }

@@ -12,24 +12,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import KvtierConfig
+from kvtier.fingerprint import ModelFacts, fingerprint
 from kvtier.keys import DIGEST_BYTES, Key, Namespace, chunk_keys
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 
 @dataclass(frozen=True)
 class Identity:
-    """Who computed the KV: model, revision, tenant and tensor-parallel shard."""
+    """Who computed the KV: model, revision, tenant, tensor-parallel shard, and the fingerprint of the model's
+    config, dtypes and weights (kvtier.fingerprint; empty when the engine does not describe its model)."""
 
     model: str
     revision: str = "main"
     tenant: str = ""
     tp_rank: int = 0
     tp_size: int = 1
+    fingerprint: str = ""
 
 
 def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | None = None) -> Identity:
     """The identity from kvtier's namespace section; the engine's model name when the section leaves it
-    at "default"; the tensor-parallel size from the engine's parallel config."""
+    at "default"; the tensor-parallel size from the engine's parallel config; the fingerprint of the engine's
+    model under ``namespace.weights``."""
     model = cfg.namespace.model
     engine_model = getattr(getattr(vllm_config, "model_config", None), "model", None)
     if model == "default" and engine_model:
@@ -37,7 +41,28 @@ def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | Non
     parallel = getattr(vllm_config, "parallel_config", None)
     size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     rank = tp_rank if tp_rank is not None else int(getattr(parallel, "rank", 0) or 0) % size
-    return Identity(model, cfg.namespace.revision, cfg.namespace.tenant, rank, size)
+    facts = model_facts(vllm_config)
+    digest = fingerprint(facts, cfg.namespace.weights) if facts is not None else ""
+    return Identity(model, cfg.namespace.revision, cfg.namespace.tenant, rank, size, digest)
+
+
+def model_facts(vllm_config: Any) -> ModelFacts | None:
+    """What a vLLM config says about the model that computes the KV (None without a model config)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    model = getattr(model_config, "model", None)
+    if model is None:
+        return None
+    hf_config = getattr(model_config, "hf_config", None)
+    to_dict = getattr(hf_config, "to_dict", None)
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    load = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
+    return ModelFacts(str(model), _text(getattr(model_config, "revision", None)),
+                      to_dict() if callable(to_dict) else None, str(getattr(model_config, "dtype", "")),
+                      _text(getattr(model_config, "quantization", None)), _text(cache_dtype), _text(load))
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(getattr(value, "value", value))
 
 
 def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *,
@@ -52,7 +77,7 @@ def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *
     if kv_packing is not None:
         described = {**described, "kv_packing": kv_packing}
     ns = Namespace(
-        model=ident.model, revision=ident.revision,
+        model=ident.model, revision=ident.revision, fingerprint=ident.fingerprint,
         kv_dtype=spec.dtype if isinstance(spec, FullAttentionSpec) else "",
         group=described, layer_names=tuple(group.layer_names),
         tp_rank=ident.tp_rank if rank is None else rank, tp_size=ident.tp_size,

@@ -1,0 +1,133 @@
+"""The fingerprint of what computes the KV: hub commits, weight files by stat or content, the model config."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvtier.config import load_config
+from kvtier.connector.keying import identity_from, namespaces
+from kvtier.errors import ConfigError
+from kvtier.fingerprint import ModelFacts, fingerprint, hub_commit, weight_files, weights_id
+from kvtier.layout import simple_config
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def checkpoint(root: Path, weights: bytes = b"W1" * 1000) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text('{"hidden_size": 8}')
+    (root / "model-00001-of-00002.safetensors").write_bytes(weights)
+    (root / "model-00002-of-00002.safetensors").write_bytes(b"second shard")
+    (root / ".cache").mkdir(exist_ok=True)
+    (root / ".cache" / "download.lock").write_text("x")
+    return root
+
+
+def replace_keeping_mtime(path: Path, data: bytes) -> None:
+    st = path.stat()
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_weight_files_are_the_weights_not_hidden_or_config_files(tmp_path: Path) -> None:
+    model = checkpoint(tmp_path / "m")
+    assert [Path(f).name for f in weight_files(str(model))] == ["model-00001-of-00002.safetensors",
+                                                               "model-00002-of-00002.safetensors"]
+
+
+def test_stat_catches_weights_written_over_the_path_and_shares_with_an_mtime_preserving_copy(tmp_path: Path) -> None:
+    model = checkpoint(tmp_path / "m")
+    before = weights_id(str(model), mode="stat")
+    assert before.startswith("stat:") and weights_id(str(model), mode="stat") == before
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(model, copy)  # copy2: mtimes preserved, as rsync -a or cp -p
+    assert weights_id(str(copy), mode="stat") == before
+    os.utime(model / "model-00001-of-00002.safetensors", ns=(1, 2))
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"W2" * 1000)  # same size, new mtime
+    assert weights_id(str(model), mode="stat") != before
+    # what stat cannot see (and content can): other bytes written back under the same size and mtime
+    replace_keeping_mtime(copy / "model-00001-of-00002.safetensors", b"W3" * 1000)
+    assert weights_id(str(copy), mode="stat") == before
+
+
+def test_content_is_the_bytes_wherever_and_whenever_they_were_written(tmp_path: Path) -> None:
+    a = checkpoint(tmp_path / "a")
+    b = checkpoint(tmp_path / "b")  # same bytes, written later at another path
+    os.utime(b / "model-00001-of-00002.safetensors", ns=(5, 5))
+    assert weights_id(str(a), mode="content") == weights_id(str(b), mode="content")
+    assert weights_id(str(a), mode="stat") != weights_id(str(b), mode="stat")
+    replace_keeping_mtime(b / "model-00001-of-00002.safetensors", b"W3" * 1000)
+    assert weights_id(str(a), mode="content") != weights_id(str(b), mode="content")
+
+
+def test_auto_takes_the_hub_snapshots_commit_also_through_a_link(tmp_path: Path) -> None:
+    snapshot = checkpoint(tmp_path / "hub" / "models--org--tiny" / "snapshots" / COMMIT)
+    link = tmp_path / "current"
+    link.symlink_to(snapshot)
+    assert hub_commit(str(snapshot)) == COMMIT and hub_commit(str(link)) == COMMIT
+    assert weights_id(str(link)) == f"hub:{COMMIT}"
+    assert weights_id(str(link), mode="stat").startswith("stat:")  # an explicit mode is kept
+    plain = checkpoint(tmp_path / "plain")
+    assert hub_commit(str(plain)) is None and weights_id(str(plain)).startswith("stat:")
+
+
+def test_a_hub_id_resolves_to_its_cached_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    asked: list[tuple[str, str, Any]] = []
+
+    def cached(repo: str, filename: str, revision: Any = None) -> str:
+        asked.append((repo, filename, revision))
+        return str(tmp_path / "models--org--tiny" / "snapshots" / COMMIT / filename)
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", cached)
+    assert weights_id("org/tiny", "v2") == f"hub:{COMMIT}" and asked == [("org/tiny", "config.json", "v2")]
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    assert weights_id("org/tiny") == "path:org/tiny"  # not cached here: its name only
+
+
+def test_off_leaves_the_weights_out_and_an_unknown_mode_is_refused(tmp_path: Path) -> None:
+    a, b = checkpoint(tmp_path / "a"), checkpoint(tmp_path / "b", b"other")
+    assert weights_id(str(a), mode="off") == weights_id(str(b), mode="off") == "off"
+    with pytest.raises(ValueError, match="unknown weights fingerprint mode"):
+        weights_id(str(a), mode="sha")
+    with pytest.raises(ConfigError, match=r"namespace\.weights.*did you mean 'content'"):
+        load_config({"namespace": {"weights": "contnet"}, "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]})
+
+
+def test_the_config_dtypes_and_quantization_join_the_fingerprint_but_the_models_path_does_not(
+        tmp_path: Path) -> None:
+    model = str(checkpoint(tmp_path / "m"))
+    base = ModelFacts(model, None, {"hidden_size": 8, "_name_or_path": "/a", "transformers_version": "4"},
+                      "torch.float32", None, "auto", "auto")
+    same = ModelFacts(model, None, {"hidden_size": 8, "_name_or_path": "/b", "transformers_version": "5"},
+                      "torch.float32", None, "auto", "auto")
+    assert fingerprint(base) == fingerprint(same)
+    changed = [ModelFacts(model, None, {"hidden_size": 16}, "torch.float32", None, "auto", "auto"),
+               ModelFacts(model, None, base.hf_config, "torch.bfloat16", None, "auto", "auto"),
+               ModelFacts(model, None, base.hf_config, "torch.float32", "fp8", "auto", "auto"),
+               ModelFacts(model, None, base.hf_config, "torch.float32", None, "fp8_e4m3", "auto")]
+    assert len({fingerprint(base), *(fingerprint(f) for f in changed)}) == 5
+
+
+def test_new_weights_at_the_same_path_give_other_keys(tmp_path: Path) -> None:
+    """The whole path through identity_from: a vLLM-shaped config, its weights replaced in place."""
+    model = checkpoint(tmp_path / "m")
+    hf = SimpleNamespace(to_dict=lambda: {"hidden_size": 8})
+    engine = SimpleNamespace(model_config=SimpleNamespace(model=str(model), revision=None, hf_config=hf,
+                                                          dtype="float32", quantization=None),
+                             cache_config=SimpleNamespace(cache_dtype="auto"))
+    cfg = load_config({"chunk_size": 16, "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]})
+    kcc = simple_config(2, 2, 8, block_size=16)
+    first = namespaces(identity_from(cfg, engine), kcc, 16)
+    assert namespaces(identity_from(cfg, engine), kcc, 16) == first
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"W2" * 1000)
+    os.utime(model / "model-00001-of-00002.safetensors", ns=(10**18, 10**18))
+    assert namespaces(identity_from(cfg, engine), kcc, 16) != first
+    assert identity_from(cfg, None).fingerprint == ""  # an engine that does not describe its model

@@ -114,6 +114,7 @@ class SchedulerHalf:
                        for g in kcc.kv_cache_groups]
         self._requests: dict[str, _ReqState] = {}
         self._hits: dict[str, _Hit] = {}
+        self._sources: dict[str, dict[TierKind, int]] = {}  # per request: its planned load's tokens by tier kind
         self._step_loads: list[LoadSpec] = []
         self._sync_pins: list[tuple[str, list[Key]]] = []
         self._async_pins: dict[str, list[tuple[str, list[Key]]]] = {}
@@ -240,11 +241,29 @@ class SchedulerHalf:
         else:
             self._sync_pins.extend(pins)
         self._step_loads.extend(specs)
+        self._sources[request.request_id] = self._tokens_by_kind(hit)
         state = self._requests.get(request.request_id)
         if state is not None:
             state.unfilled = [self._unfilled(g, hit) for g in range(len(self._needs))]
             if not self.cfg.policy.promote_on_hit:
                 state.saved_chunks = max(state.saved_chunks, hit.chunks)
+
+    def _tokens_by_kind(self, hit: _Hit) -> dict[TierKind, int]:
+        """The hit's tokens by the kind of tier each comes from, read off the group that loads the most chunks
+        (a full-attention group loads every chunk past the engine's own tokens)."""
+        size = self.cfg.chunk_size
+        group = max(range(len(self._needs)), key=lambda g: len(self._needs[g].needed(hit.chunks, size)))
+        out: dict[TierKind, int] = {}
+        for i in self._needs[group].needed(hit.chunks, size):
+            kind = self._kinds.get(hit.locations[group][i] or "")
+            tokens = (i + 1) * size - max(i * size, hit.local_tokens)
+            if kind is not None and tokens > 0:
+                out[kind] = out.get(kind, 0) + tokens
+        return out
+
+    def hit_sources(self, req_id: str) -> dict[TierKind, int]:
+        """Tokens of the request's planned load by tier kind (vLLM's cache-hit sources); empty without a load."""
+        return dict(self._sources.get(req_id, {}))
 
     def _unfilled(self, group: int, hit: _Hit) -> range:
         """Chunks of ``group`` below the hit that neither the engine nor the load wrote: a sliding-window group
@@ -406,6 +425,7 @@ class SchedulerHalf:
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._hits.pop(req_id, None)
+        self._sources.pop(req_id, None)
         for block in self._req_load_blocks.pop(req_id, []):
             self._load_blocks.pop(block, None)
         return req_id in self._saving, None

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, KvtierConfig, load_config
+from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, KvtierConfig, TierKind, load_config
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
 from kvtier.connector.capability import prefix_resume_blocker
 from kvtier.connector.keying import identity_from, namespaces
@@ -240,6 +240,10 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished_all_groups(request, block_ids)
+
+    def hit_sources(self, request: Any) -> dict[TierKind, int]:
+        """The tokens of ``request``'s planned load by the kind of tier they come from."""
+        return self._sched().hit_sources(request.request_id)
 
     def take_events(self) -> Iterable[Any]:
         return ()

@@ -60,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as Vll
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma as vllm_supports_hma
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as VllmStats
 
+from kvtier.config import TierKind
 from kvtier.connector import base as kvbase
 from kvtier.connector.factory import ConnectorFactory
 from kvtier.connector.legacy import adapter_base
@@ -269,6 +270,21 @@ class KVTierConnector(_Facade):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
+        """kvtier's hit split by where it comes from (``vllm:prompt_tokens_cached_by_source``): memory tiers are
+        host, disk is disk, Redis is external."""
+        if num_external_tokens == 0:
+            return {}
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        names = {TierKind.GPU: CacheHitSource.HOST, TierKind.CPU: CacheHitSource.HOST,
+                 TierKind.DISK: CacheHitSource.DISK}
+        out: dict[Any, int] = {}
+        for kind, tokens in self._impl.hit_sources(request).items():
+            source = names.get(kind, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + tokens
+        return out
 
     def _wrap_stats(self, stats: Any) -> Any:
         return None if stats is None else KVTierStats(data=dict(stats.data))

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -162,10 +163,14 @@ def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, la
             tensor.zero_()
 
         loaded: dict[int, list[int]] = {}
+        sources: list[Any] = []
 
         def check_after_load(so: Any) -> None:
             if "r2" not in so.num_scheduled_tokens:
                 return
+            # where the hit comes from, as vLLM's prompt_tokens_cached_by_source counts it
+            sources.append(engine.scheduler.connector.get_external_cache_hit_sources(
+                engine.scheduler.requests["r2"], 64))
             ids = engine.scheduler.kv_cache_manager.get_block_ids("r2")
             for g, group in enumerate(kcc.kv_cache_groups):
                 for name in group.layer_names:
@@ -178,6 +183,7 @@ def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, la
         compute_step = next(s for s in steps if "r2" in s.num_scheduled_tokens)
         assert compute_step.num_scheduled_tokens == {"r2": 8}  # 64 of 72 tokens came from kvtier
         assert set(loaded) == {0, 1} and all(0 not in ids for ids in loaded.values())
+        assert sources == [{CacheHitSource.HOST if tier == "cpu" else CacheHitSource.DISK: 64}]
         loads = [spec for meta in engine.metadata for spec in meta.loads if spec.req_id == "r2"]
         assert {spec.group for spec in loads} == {0, 1}
         assert {spec.group: [b for (b,) in spec.block_ids] for spec in loads} == loaded

@@ -8,8 +8,8 @@ Weight modes (``namespace.weights``):
 - ``stat``: per weight file its name, size and mtime in nanoseconds. Costs one ``stat`` per file. Catches weights
   copied, downloaded or written over the path (each sets a new mtime); two hosts share records when their files
   carry the same mtimes (``rsync -a``, ``cp -p``, one image).
-- ``content``: a blake2b hash of every weight file's bytes. Same weights, same records on any host and path; costs
-  reading the whole checkpoint once per engine start (about 1 GB/s per core for the hash).
+- ``content``: an XXH3-128 hash of every weight file's bytes. Same weights, same records on any host and path;
+  costs reading the whole checkpoint once per engine process at start (``kvtier bench fingerprint``).
 - ``off``: the weights are left out; the operator vouches for them through ``namespace.revision``.
 """
 
@@ -104,12 +104,18 @@ def _stat_digest(model: str, files: Iterable[str]) -> str:
 
 
 def _content_digest(model: str, files: Iterable[str]) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    """XXH3-128 of every file's bytes (several GB/s: the disk is the limit, not the hash). Not cryptographic: it
+    tells weights apart, it does not stand up to someone who can write the checkpoint."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buffer = bytearray(READ_BYTES)
+    view = memoryview(buffer)
     for path in files:
         h.update((os.path.relpath(path, model) if os.path.isdir(model) else "").encode() + b"\0")
-        with open(path, "rb") as f:
-            while block := f.read(READ_BYTES):
-                h.update(block)
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                h.update(view[:n])
     return h.hexdigest()
 
 

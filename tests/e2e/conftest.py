@@ -58,8 +58,49 @@ def engine_env(workdir: Path) -> dict[str, str]:
             "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
 
 
+def counts_env(path: Path) -> dict[str, str]:
+    """Environment that makes an engine's processes record the tokens they schedule (``sitecustomize.py``)."""
+    return {"KVTIER_E2E_COUNTS": str(path), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def computed_tokens(path: Path) -> list[tuple[str, int]]:
+    """(prompt hash, tokens the engine scheduled for it) per request, in the order the engine admitted them."""
+    order: list[tuple[str, str]] = []
+    totals: dict[str, int] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "new" in row:
+                order.append((row["prompt"], row["new"]))
+            for req, n in row.get("step", {}).items():
+                totals[req] = totals.get(req, 0) + int(n)
+    return [(prompt, totals.get(req, 0)) for prompt, req in order]
+
+
+def attach_computed(result: dict[str, Any], phases: list[list[list[int]]], path: Path) -> None:
+    """Set ``computed`` on every output: the prompt tokens the engine itself computed for it (its scheduled tokens
+    less one per generated token after the first)."""
+    from sitecustomize import prompt_hash
+
+    admitted = computed_tokens(path)
+    for prompts_, outs in zip(phases, result["phases"], strict=True):
+        for prompt, out in zip(prompts_, outs, strict=True):
+            at = next(i for i, (h, _) in enumerate(admitted) if h == prompt_hash(prompt))
+            out["computed"] = admitted.pop(at)[1] - (len(out["tokens"]) - 1)
+
+
+def assert_hit(out: dict[str, Any], prompt: list[int], hit: int) -> None:
+    """The engine reports ``hit`` cached tokens and computed only the rest: no recompute can give both."""
+    assert (out["num_cached_tokens"], out["computed"]) == (hit, len(prompt) - hit), out
+
+
+def assert_uncached(out: dict[str, Any], prompt: list[int]) -> None:
+    assert (out["num_cached_tokens"], out["computed"]) == (0, len(prompt)), out
+
+
 class EngineRunner:
-    """Runs ``engine_job.py`` in a new process with a JSON spec; returns its JSON result."""
+    """Runs ``engine_job.py`` in a new process with a JSON spec; returns its JSON result, each output with the
+    prompt tokens the engine computed for it (``computed``)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -71,8 +112,9 @@ class EngineRunner:
         spec_path = self.workdir / f"spec-{self.count}.json"
         out_path = self.workdir / f"out-{self.count}.json"
         spec_path.write_text(json.dumps(spec))
+        counts = self.workdir / f"counts-{self.count}.jsonl"
         full_env = {**engine_env(self.workdir), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
-                    "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+                    **counts_env(counts), **(env or {})}
         proc = subprocess.run([sys.executable, str(HERE / "engine_job.py"), str(spec_path), str(out_path)],
                               env=full_env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
         log = (proc.stdout + proc.stderr)[-6000:]
@@ -80,6 +122,7 @@ class EngineRunner:
         assert proc.returncode == 0 and out_path.exists(), f"engine process failed ({proc.returncode}):\n{log}"
         result: dict[str, Any] = json.loads(out_path.read_text())
         result["log"] = proc.stdout + proc.stderr
+        attach_computed(result, spec["phases"], counts)
         return result
 
 
@@ -103,19 +146,25 @@ def workdir() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def references(models: Callable[[str], tuple[str, str]], run_engine: EngineRunner
-               ) -> Callable[[str], dict[str, Any]]:
-    """Per model kind, once: A2 with no cache at all, and A then A2 with vLLM's own prefix cache."""
-    cache: dict[str, dict[str, Any]] = {}
+               ) -> Callable[..., dict[str, Any]]:
+    """Per model kind (and attention backend), once: A2 and B with no cache at all, each checked to be computed
+    whole, and (``prefix=True``) A then A2 with vLLM's own prefix cache, checked to have hit A's 256 tokens."""
+    cache: dict[tuple[str, str | None, bool], dict[str, Any]] = {}
 
-    def get(kind: str) -> dict[str, Any]:
-        if kind not in cache:
+    def get(kind: str, backend: str | None = None, prefix: bool = True) -> dict[str, Any]:
+        if (kind, backend, prefix) not in cache:
             model, dtype = models(kind)
             p = prompts()
-            plain = run_engine({"model": model, "dtype": dtype, "phases": [[p["A2"]], [p["B"]]]})
-            prefix = run_engine({"model": model, "dtype": dtype, "prefix_caching": True,
-                                 "phases": [[p["A"]], [p["A2"]]]})
-            cache[kind] = {"A2": plain["phases"][0][0], "B": plain["phases"][1][0],
-                           "A2_prefix_cached": prefix["phases"][1][0]}
-        return cache[kind]
+            spec = {"model": model, "dtype": dtype, "attention_backend": backend}
+            plain = run_engine({**spec, "phases": [[p["A2"]], [p["B"]]]})
+            ref = {"A2": plain["phases"][0][0], "B": plain["phases"][1][0]}
+            assert_uncached(ref["A2"], p["A2"])
+            assert_uncached(ref["B"], p["B"])
+            if prefix:
+                cached = run_engine({**spec, "prefix_caching": True, "phases": [[p["A"]], [p["A2"]]]})
+                ref["A2_prefix_cached"] = cached["phases"][1][0]
+                assert_hit(ref["A2_prefix_cached"], p["A2"], 256)  # a "prefix-cached" reference did hit
+            cache[kind, backend, prefix] = ref
+        return cache[kind, backend, prefix]
 
     return get

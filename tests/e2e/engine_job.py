@@ -5,7 +5,8 @@
 SPEC (JSON): ``model`` (directory), ``connector`` (null, "kvtier" or "multi": KVTierMultiConnector with kvtier
 and a two-argument legacy child), ``kvtier_config`` (YAML path), ``extra`` (more kv_connector_extra_config),
 ``prefix_caching`` (vLLM's own), ``phases`` (lists of prompts, each list one ``LLM.generate`` call), ``kill``
-(``{"after_phase": i, "pid": p}``: SIGKILL a process between phases), ``max_tokens``, ``dtype``.
+(``{"after_phase": i, "pid": p}``: SIGKILL a process between phases), ``max_tokens``, ``dtype``,
+``attention_backend`` (vLLM's, e.g. "CPU_MLA").
 
 OUT (JSON): per phase and prompt the greedy tokens, their logprobs (exact floats), ``num_cached_tokens``; the
 kvtier worker's counters since start (``kvtier``; in-process engines only), the legacy child's calls, timings.
@@ -53,6 +54,8 @@ def main(spec_path: str, out_path: str) -> None:
         "enable_prefix_caching": bool(spec.get("prefix_caching", False)), "compilation_config": {"mode": 0},
         "disable_log_stats": True,
     }
+    if spec.get("attention_backend"):
+        kw["attention_backend"] = spec["attention_backend"]
     extra = {"config_file": spec["kvtier_config"], **spec.get("extra", {})} if spec.get("kvtier_config") else {}
     kvtier = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
               "kv_role": "kv_both", "kv_connector_extra_config": extra}

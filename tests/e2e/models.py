@@ -110,9 +110,9 @@ DTYPES = {"llama": "float32", "gemma3": "float32", "deepseek_v2": "bfloat16",  #
 
 
 @torch.no_grad()
-def _reinit(model: torch.nn.Module) -> None:
+def _reinit(model: torch.nn.Module, seed: int) -> None:
     """Deterministic weights: matrices ~ N(0, STD); biases 0; norm weights keep their defaults."""
-    g = torch.Generator().manual_seed(SEED)
+    g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         if p.dim() >= 2:
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * STD)
@@ -121,11 +121,13 @@ def _reinit(model: torch.nn.Module) -> None:
 
 
 def make(kind: str, root: str) -> tuple[str, str]:
+    """``kind`` is a key of KINDS, or one with ``_w2``: the same config with other weights (another seed)."""
+    base = kind.removesuffix("_w2")
     out = os.path.join(root, kind)
     if not os.path.exists(os.path.join(out, "config.json")):
-        cfg, cls = KINDS[kind]()
+        cfg, cls = KINDS[base]()
         torch.manual_seed(SEED)
         model = cls(cfg).to(torch.float32)
-        _reinit(model)
+        _reinit(model, SEED + (kind != base))
         model.save_pretrained(out, safe_serialization=True)
-    return out, DTYPES[kind]
+    return out, DTYPES[base]

@@ -15,7 +15,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conftest import CHUNK, EngineRunner, engine_env, kvtier_yaml, prompts
+import pytest
+from conftest import (
+    CHUNK,
+    EngineRunner,
+    assert_hit,
+    assert_uncached,
+    computed_tokens,
+    counts_env,
+    engine_env,
+    kvtier_yaml,
+    prompts,
+)
 
 HIT = 4 * CHUNK  # A2 shares 260 tokens with A: four whole chunks
 
@@ -37,10 +48,11 @@ def close_output(got: dict[str, Any], want: dict[str, Any], tol: float = 1e-3) -
 
 
 def save_then_load(run_engine: EngineRunner, model: tuple[str, str], config: str, *, connector: str = "kvtier",
-                   multiprocessing: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+                   multiprocessing: bool = False, backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Engine process 1 computes A (kvtier saves it); a new engine process 2 runs A2."""
     p = prompts()
-    spec = {"model": model[0], "dtype": model[1], "connector": connector, "kvtier_config": config}
+    spec = {"model": model[0], "dtype": model[1], "connector": connector, "kvtier_config": config,
+            "attention_backend": backend}
     first = run_engine({**spec, "phases": [[p["A"]]]}, multiprocessing=multiprocessing)
     second = run_engine({**spec, "phases": [[p["A2"]]]}, multiprocessing=multiprocessing)
     return first, second
@@ -50,13 +62,12 @@ def test_llama_second_engine_hits_from_disk_with_the_prefix_caches_output(
         run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
         references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
     ref = references("llama")
-    assert ref["A2_prefix_cached"]["num_cached_tokens"] == 256  # vLLM's own prefix cache, for comparison
     config = disk_config(workdir)
     first, second = save_then_load(run_engine, models("llama"), config)
-    assert first["phases"][0][0]["num_cached_tokens"] == 0
+    assert_uncached(first["phases"][0][0], prompts()["A"])
     assert first["kvtier"]["save_chunks"] == 4 and not first["kvtier"]["disabled"]
     out = second["phases"][0][0]
-    assert out["num_cached_tokens"] == HIT
+    assert_hit(out, prompts()["A2"], HIT)  # the engine computed only the 34 tokens after the loaded prefix
     assert second["kvtier"]["hits_disk"] == 4 and second["kvtier"].get("load_failures", 0) == 0
     assert same_output(out, ref["A2_prefix_cached"])
     assert close_output(out, ref["A2"])
@@ -70,7 +81,8 @@ def test_llama_second_engine_hits_from_redis(run_engine: EngineRunner, models: C
                          f"[{{name: redis, kind: redis, capacity: 256MiB, url: '{server.url}', timeout: 1.0}}]")
     _, second = save_then_load(run_engine, models("llama"), config)
     out = second["phases"][0][0]
-    assert out["num_cached_tokens"] == HIT and second["kvtier"]["hits_redis"] == 4
+    assert_hit(out, prompts()["A2"], HIT)
+    assert second["kvtier"]["hits_redis"] == 4
     assert same_output(out, references("llama")["A2_prefix_cached"])
 
 
@@ -81,7 +93,7 @@ def test_hybrid_sliding_window_model_hits_in_both_groups(
     config = disk_config(workdir)
     _, second = save_then_load(run_engine, models("gemma3"), config)
     out, totals = second["phases"][0][0], second["kvtier"]
-    assert out["num_cached_tokens"] == HIT
+    assert_hit(out, prompts()["A2"], HIT)
     # vLLM makes one full-attention group and three sliding-window groups (one layer each); a sliding-window
     # group needs only the chunk its 64-token window reaches, the full group all four
     loads = sorted(v for k, v in totals.items() if k.startswith("load_chunks_group"))
@@ -89,14 +101,36 @@ def test_hybrid_sliding_window_model_hits_in_both_groups(
     assert same_output(out, references("gemma3")["A2_prefix_cached"])
 
 
-def test_mla_model_hits(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
-                        references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
-    """DeepSeek-V2-shaped multi-head latent attention (one latent vector per token), bf16."""
+def amx() -> bool:
+    """Whether this CPU has AMX tiles, as vLLM's CPU platform asks it."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.parametrize("backend", [None, "CPU_MLA"])
+def test_mla_model_hits_where_the_engine_can_prefill_after_a_cached_prefix(
+        backend: str | None, run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+        references: Callable[..., dict[str, Any]], workdir: Path) -> None:
+    """DeepSeek-V2-shaped multi-head latent attention (one latent vector per token), bf16. With AMX vLLM runs its
+    AMX MLA backend, which computes on a cached prefix: kvtier hits. Without AMX (forced here with the CPU_MLA
+    backend, vLLM's choice on such CPUs) the reference backend cannot, vLLM turns prefix caching and chunked prefill
+    off, and kvtier loads and saves nothing: the output is the uncached one, bit for bit."""
+    chosen = "AMX_MLA" if backend is None and amx() else "CPU_MLA"
     config = disk_config(workdir)
-    _, second = save_then_load(run_engine, models("deepseek_v2"), config)
+    first, second = save_then_load(run_engine, models("deepseek_v2"), config, backend=backend)
     out = second["phases"][0][0]
-    assert out["num_cached_tokens"] == HIT and second["kvtier"]["hits_disk"] == 4
-    assert same_output(out, references("deepseek_v2")["A2_prefix_cached"])
+    assert f"Using {chosen} backend" in second["log"]
+    if chosen == "AMX_MLA":
+        assert_hit(out, prompts()["A2"], HIT)
+        assert second["kvtier"]["hits_disk"] == 4
+        assert same_output(out, references("deepseek_v2")["A2_prefix_cached"])
+    else:
+        assert "kvtier loads and saves nothing in this engine" in first["log"]
+        assert first["kvtier"].get("save_chunks", 0) == 0 and not list((workdir / "kv").rglob("*.kvt"))
+        assert_uncached(out, prompts()["A2"])
+        assert second["kvtier"].get("load_chunks", 0) == 0
+        assert same_output(out, references("deepseek_v2", backend, prefix=False)["A2"])
 
 
 def test_linear_attention_hybrid_serves_without_hits(
@@ -107,7 +141,8 @@ def test_linear_attention_hybrid_serves_without_hits(
     config = disk_config(workdir)
     _, second = save_then_load(run_engine, models("qwen3_next"), config)
     out = second["phases"][0][0]
-    assert out["num_cached_tokens"] == 0 and second["kvtier"].get("load_chunks", 0) == 0
+    assert_uncached(out, prompts()["A2"])
+    assert second["kvtier"].get("load_chunks", 0) == 0
     assert not second["kvtier"]["disabled"]
     assert close_output(out, references("qwen3_next")["A2"], tol=0.05)  # bf16
 
@@ -117,7 +152,8 @@ def test_multi_connector_with_a_legacy_child_hits(run_engine: EngineRunner, mode
     config = disk_config(workdir)
     first, second = save_then_load(run_engine, models("llama"), config, connector="multi")
     out = second["phases"][0][0]
-    assert out["num_cached_tokens"] == HIT and second["kvtier"]["hits_disk"] == 4
+    assert_hit(out, prompts()["A2"], HIT)
+    assert second["kvtier"]["hits_disk"] == 4
     assert same_output(out, references("llama")["A2_prefix_cached"])
     # the two-argument child ran in both engines' worker processes (its scheduler half lives in the engine core)
     assert {"start_load_kv", "wait_for_save"} <= set(first["legacy_calls"])
@@ -130,7 +166,7 @@ def test_multiprocess_engine_hits_from_disk(run_engine: EngineRunner, models: Ca
     config = disk_config(workdir)
     _, second = save_then_load(run_engine, models("llama"), config, multiprocessing=True)
     out = second["phases"][0][0]
-    assert out["num_cached_tokens"] == HIT
+    assert_hit(out, prompts()["A2"], HIT)  # counted in the engine-core process
     assert same_output(out, references("llama")["A2_prefix_cached"])
 
 
@@ -151,6 +187,7 @@ def test_redis_killed_mid_run_requests_complete_with_identical_outputs(
     after_kill = result["phases"][1]
     assert close_output(after_kill[0], ref["A2"]) and close_output(after_kill[1], ref["B"])
     assert close_output(result["phases"][2][0], ref["A2"])
+    assert after_kill[0]["computed"] == len(p["A2"]) - after_kill[0]["num_cached_tokens"]  # nothing claimed lost
     assert max(result["timings"]["phase_s"][1:]) < 60
 
 
@@ -186,7 +223,7 @@ def test_negative_controls_a_record_under_the_wrong_key_is_refused_a_forged_one_
     for a, b in zip(a_keys, b_keys, strict=True):
         Path(layout.path(a)).write_bytes(Path(layout.path(b)).read_bytes())
     moved = run_engine({**spec, "phases": [[p["A2"]]]})["phases"][0][0]
-    assert moved["num_cached_tokens"] == 0
+    assert_uncached(moved, p["A2"])
     assert close_output(moved, references("llama")["A2"])
 
     for a, b in zip(a_keys, b_keys, strict=True):
@@ -194,13 +231,13 @@ def test_negative_controls_a_record_under_the_wrong_key_is_refused_a_forged_one_
         Path(layout.path(a)).write_bytes(codec.encode_bytes(a, record.payload, record.header.dtype,
                                                             record.header.shape))
     forged = run_engine({**spec, "phases": [[p["A2"]]]})["phases"][0][0]
-    assert forged["num_cached_tokens"] == HIT
+    assert_hit(forged, p["A2"], HIT)
     assert forged["tokens"] != references("llama")["A2"]["tokens"]
 
     for a in a_keys:  # and A's own records restored: the hit gives the right output again
         Path(layout.path(a)).write_bytes(originals[a])
     restored = run_engine({**spec, "phases": [[p["A2"]]]})["phases"][0][0]
-    assert restored["num_cached_tokens"] == HIT
+    assert_hit(restored, p["A2"], HIT)
     assert same_output(restored, references("llama")["A2_prefix_cached"])
 
 
@@ -228,7 +265,8 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
            "--max-model-len", "1024", "--enforce-eager", "--served-model-name", "tiny", "--seed", "0",
            "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
            "--kv-transfer-config", json.dumps(transfer)]
-    env = engine_env(workdir)
+    counts = workdir / "counts.jsonl"
+    env = {**engine_env(workdir), **counts_env(counts)}
     log = open(workdir / "server.log", "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -243,10 +281,13 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
                 assert time.monotonic() < deadline, "server not ready after 300 s"
                 time.sleep(0.5)
         p = prompts()
-        body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "logprobs": 1}
         first = _post(f"{base}/v1/completions", {**body, "prompt": p["A"]})
         time.sleep(1.0)  # the first request's chunks are visible once its saves are done
         second = _post(f"{base}/v1/completions", {**body, "prompt": p["A2"]})
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -256,15 +297,52 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
         log.close()
     assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == HIT
-    assert second["choices"][0]["token_ids"] == references("llama")["A2_prefix_cached"]["tokens"]
+    ref = references("llama")["A2_prefix_cached"]
+    assert second["choices"][0]["token_ids"] == ref["tokens"]
+    assert second["choices"][0]["logprobs"]["token_logprobs"] == ref["logprobs"]  # bit-identical
+    # the engine computed A whole, then only A2's 34 tokens after the loaded prefix (8 tokens out: 7 decode steps)
+    assert [n for _, n in computed_tokens(counts)] == [len(p["A"]) + 7, len(p["A2"]) - HIT + 7]
+    by_source = {line.split('source="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                 for line in metrics.splitlines() if line.startswith("vllm:prompt_tokens_cached_by_source{")}
+    assert by_source["disk"] == HIT and sum(by_source.values()) == HIT  # where the hit came from, on /metrics
+
+
+def test_weights_replaced_at_the_same_path_never_get_the_old_kv(
+        run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+        references: Callable[..., dict[str, Any]], workdir: Path) -> None:
+    """Engine 1 saves A with weights W1 at path P; W2 (same config, other values) is copied over P, as a redeploy
+    into the same directory does. A new engine at P gets no hit and answers as W2 does uncached. Control: with W1
+    still at P the same engine hits."""
+    import shutil
+
+    w1, dtype = models("llama")
+    w2, _ = models("llama_w2")
+    path = workdir / "model"
+    shutil.copytree(w1, path)
+    p = prompts()
+    spec = {"model": str(path), "dtype": dtype, "connector": "kvtier", "kvtier_config": disk_config(workdir)}
+    assert run_engine({**spec, "phases": [[p["A"]]]})["kvtier"]["save_chunks"] == 4
+    assert_hit(run_engine({**spec, "phases": [[p["A2"]]]})["phases"][0][0], p["A2"], HIT)  # control: same weights
+    for weights in Path(w2).glob("*.safetensors"):
+        shutil.copyfile(weights, path / weights.name)
+    swapped = run_engine({**spec, "phases": [[p["A2"]]]})
+    out = swapped["phases"][0][0]
+    assert_uncached(out, p["A2"])
+    assert swapped["kvtier"].get("load_chunks", 0) == 0
+    new_uncached = references("llama_w2", prefix=False)["A2"]
+    assert same_output(out, new_uncached)
+    assert new_uncached["tokens"] != references("llama")["A2"]["tokens"]  # W1's KV would have shown
 
 
 def test_bench_vllm_quick_run_reports_hits_and_same_first_tokens(workdir: Path) -> None:
-    """``kvtier bench vllm --quick``: the benchmark's own engines, a smoke run of two modes."""
+    """``kvtier bench vllm --quick``: the benchmark's own engines, a smoke run of two modes. The engines' own
+    counts show the hits: kvtier's requests compute only their 16 new tokens, which no recompute does."""
     out = workdir / "vllm_engine.json"
+    counts = workdir / "counts.jsonl"
     proc = subprocess.run([sys.executable, "-m", "kvtier", "bench", "vllm", "--quick", "--modes", "none",
-                           "kvtier_disk", "--json", str(out), "--no-plot"], env=engine_env(workdir),
-                          capture_output=True, text=True, timeout=600)
+                           "kvtier_disk", "--json", str(out), "--no-plot"],
+                          env={**engine_env(workdir), **counts_env(counts)}, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     table = json.loads(out.read_text())["results"]
     for length, rows in table.items():
@@ -272,3 +350,7 @@ def test_bench_vllm_quick_run_reports_hits_and_same_first_tokens(workdir: Path) 
         assert rows["kvtier_disk"]["cached_tokens"] == int(length)
         assert rows["kvtier_disk"]["same_first_token_as_none"] is True
         assert 0 < rows["kvtier_disk"]["ttft_s"]["min"] <= rows["kvtier_disk"]["ttft_s"]["median"]
+    from kvtier.bench.vllm_engine import SUFFIX
+
+    suffix_only = [n for _, n in computed_tokens(counts) if n == SUFFIX]  # TTFT requests: max_tokens=1
+    assert len(suffix_only) >= len(table), computed_tokens(counts)

@@ -124,5 +124,11 @@ def _config_digest(config: Any) -> str:
     the version of the library that wrote it."""
     if isinstance(config, dict):
         config = {k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"}
-    text = json.dumps(config, sort_keys=True, default=str) if config is not None else ""
+    text = json.dumps(config, sort_keys=True, default=_plain) if config is not None else ""
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _plain(value: Any) -> str:
+    """A value JSON does not know, as text that is the same in every process (no object addresses)."""
+    text = str(value)
+    return f"<{type(value).__qualname__}>" if " at 0x" in text else text

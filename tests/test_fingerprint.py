@@ -114,6 +114,8 @@ def test_the_config_dtypes_and_quantization_join_the_fingerprint_but_the_models_
                ModelFacts(model, None, base.hf_config, "torch.float32", "fp8", "auto", "auto"),
                ModelFacts(model, None, base.hf_config, "torch.float32", None, "fp8_e4m3", "auto")]
     assert len({fingerprint(base), *(fingerprint(f) for f in changed)}) == 5
+    odd = [ModelFacts(model, None, {"x": object(), "dtype": type}, "f") for _ in range(2)]  # reprs with addresses
+    assert fingerprint(odd[0]) == fingerprint(odd[1])
 
 
 def test_new_weights_at_the_same_path_give_other_keys(tmp_path: Path) -> None:

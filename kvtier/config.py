@@ -168,6 +168,8 @@ class KvtierConfig:
     placement: Mapping[GroupKind, tuple[str, ...]] = field(default_factory=dict)
     save_partial_chunks: bool = False
     strict: bool = False  # KV tensors kvtier cannot read fail the engine's start (else kvtier disables itself)
+    # the engine's prefix cache is off by the operator's choice, not the engine's: kvtier may serve it anyway
+    serve_without_prefix_caching: bool = False
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def tier(self, name: str) -> TierConfig:
@@ -192,7 +194,8 @@ class KvtierConfig:
 
 # ---- loading ----------------------------------------------------------------------------------------------
 
-SECTIONS = ("chunk_size", "namespace", "tiers", "policy", "placement", "save_partial_chunks", "security", "strict")
+SECTIONS = ("chunk_size", "namespace", "tiers", "policy", "placement", "save_partial_chunks", "security", "strict",
+            "serve_without_prefix_caching")
 ENGINE_ONLY_KEYS = frozenset({"config_file", "connectors", "load_failure_policy"})
 """Keys of an engine's extra-config dict that are not kvtier config: ``config_file`` (the file to load when no
 source is given) and ``connectors`` (a MultiConnector's children)."""
@@ -268,6 +271,8 @@ def build_config(data: Mapping[str, Any], env: Mapping[str, str]) -> KvtierConfi
         placement=_build_placement(data.get("placement"), tiers),
         save_partial_chunks=as_bool(data.get("save_partial_chunks", False), "save_partial_chunks"),
         strict=as_bool(data.get("strict", False), "strict"),
+        serve_without_prefix_caching=as_bool(data.get("serve_without_prefix_caching", False),
+                                             "serve_without_prefix_caching"),
         security=_section(SecurityConfig, data.get("security"), "security", env),
     )
 

@@ -3,14 +3,17 @@ KV-cache dtype and the weights. Records written by other weights at the same pat
 
 Weight modes (``namespace.weights``):
 
-- ``auto`` (default): the hub snapshot's commit when the model comes from a Hugging Face hub cache (a hub id,
-  or a path inside ``.../models--org--name/snapshots/<commit>``), else ``stat``.
+- ``auto`` (default): the hub snapshot's commit when the weights are a Hugging Face hub snapshot (a hub id
+  resolved in the local hub cache, or a path inside ``.../models--org--name/snapshots/<commit>``), else ``stat``.
 - ``stat``: per weight file its name, size and mtime in nanoseconds. Costs one ``stat`` per file. Catches weights
   copied, downloaded or written over the path (each sets a new mtime); two hosts share records when their files
   carry the same mtimes (``rsync -a``, ``cp -p``, one image).
 - ``content``: an XXH3-128 hash of every weight file's bytes. Same weights, same records on any host and path;
-  costs reading the whole checkpoint once per engine process at start (``kvtier bench fingerprint``).
+  costs reading the weights once at start (``kvtier bench fingerprint``).
 - ``off``: the weights are left out; the operator vouches for them through ``namespace.revision``.
+
+Weights kvtier cannot find or read raise :class:`FingerprintError` (never a name-only identity): the connector
+then serves nothing rather than risk another model's KV.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 WEIGHT_MODES = ("auto", "stat", "content", "off")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz")
+# the files an engine loads, in the order vLLM prefers them: the first kind present at the top level is the weights
+WEIGHT_KINDS = ((".safetensors",), (".bin", ".pt", ".pth"), (".gguf",), (".ckpt", ".h5", ".msgpack", ".npz"))
 HUB_SNAPSHOT = re.compile(r"models--[^/]+--[^/]+/snapshots/([0-9a-f]{40})(?:/|$)")
 READ_BYTES = 8 << 20
+
+
+class FingerprintError(ValueError):
+    """The weights could not be found or read."""
 
 
 @dataclass(frozen=True)
@@ -40,66 +48,87 @@ class ModelFacts:
     quantization: str | None = None
     kv_cache_dtype: str | None = None
     load_format: str | None = None
+    download_dir: str | None = None  # the hub cache the engine downloads into, when not the default
+    weights_path: str | None = None  # where the weights are when not beside the config (vLLM: model_weights)
+    weights_identity: str | None = None  # an engine's own name for weights it generates (kvtier's reference engine)
 
 
 def fingerprint(facts: ModelFacts, mode: str = "auto") -> str:
-    """A hex digest of everything in ``facts`` and the weights under ``mode``."""
+    """A hex digest of everything in ``facts`` and the weights under ``mode``; raises ``FingerprintError``."""
     body = {"config": _config_digest(facts.hf_config), "dtype": facts.dtype, "quantization": facts.quantization,
             "kv_cache_dtype": facts.kv_cache_dtype, "load_format": facts.load_format,
-            "weights": weights_id(facts.model, facts.revision, mode)}
+            "weights": (f"engine:{facts.weights_identity}" if facts.weights_identity is not None and mode != "off"
+                        else weights_id(facts.weights_path or facts.model, facts.revision, mode, facts.download_dir))}
     return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-def weights_id(model: str, revision: str | None = None, mode: str = "auto") -> str:
+def weights_id(model: str, revision: str | None = None, mode: str = "auto", download_dir: str | None = None) -> str:
     """The weights' identity under ``mode``: ``hub:<commit>``, ``stat:<digest>``, ``content:<digest>`` or ``off``."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"unknown weights fingerprint mode {mode!r}; use one of {', '.join(WEIGHT_MODES)}")
     if mode == "off":
         return "off"
+    local = local_weights(model, revision, download_dir)
+    if local is None:
+        raise FingerprintError(f"no local copy of {model!r} (revision {revision}) to fingerprint")
     if mode == "auto":
-        commit = hub_commit(model, revision)
-        if commit is not None:
-            return f"hub:{commit}"
-    files = weight_files(model)
+        match = HUB_SNAPSHOT.search(os.path.realpath(local))
+        if match is not None:
+            return f"hub:{match.group(1)}"
+    files = weight_files(local)
     if not files:
-        return f"path:{model}"  # nothing local to read (a hub id whose snapshot is not cached): its name only
-    digest = _content_digest(model, files) if mode == "content" else _stat_digest(model, files)
-    return f"{'content' if mode == 'content' else 'stat'}:{digest}"
+        raise FingerprintError(f"no weight files under {local!r}")
+    if mode == "content":
+        return f"content:{_content_digest(local, files)}"
+    return f"stat:{_stat_digest(local, files)}"
 
 
-def hub_commit(model: str, revision: str | None = None) -> str | None:
+def hub_commit(model: str, revision: str | None = None, download_dir: str | None = None) -> str | None:
     """The commit of the hub snapshot ``model`` is (a path inside a hub cache) or resolves to (a hub id)."""
-    match = HUB_SNAPSHOT.search(os.path.realpath(model)) if os.path.exists(model) else None
-    if match is not None:
-        return match.group(1)
-    if os.path.exists(model) or model.count("/") != 1:
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(model, "config.json", revision=revision)
-    match = HUB_SNAPSHOT.search(found) if isinstance(found, str) else None
+    local = local_weights(model, revision, download_dir)
+    match = HUB_SNAPSHOT.search(os.path.realpath(local)) if local is not None else None
     return match.group(1) if match is not None else None
 
 
+def local_weights(model: str, revision: str | None = None, download_dir: str | None = None) -> str | None:
+    """A local path of the weights: ``model`` itself when it exists, else the hub cache's snapshot of the hub id
+    ``model`` at ``revision`` (None when there is none or ``model`` is no valid hub id)."""
+    if os.path.exists(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True))
+    except Exception:  # not installed, not a hub id, not cached: nothing local to read
+        return None
+
+
 def weight_files(model: str) -> list[str]:
-    """The weight files under ``model`` (by suffix; every regular non-hidden file if none has one), sorted."""
+    """The weight files of ``model`` as an engine loads them: the first kind of :data:`WEIGHT_KINDS` found among
+    the regular, non-hidden files at its top level (every such file if none is of a known kind), sorted; a file
+    path is its own weights."""
+    if os.path.isfile(model):
+        return [model]
     if not os.path.isdir(model):
-        return [model] if os.path.isfile(model) else []
-    found: list[str] = []
-    for root, dirs, names in os.walk(model):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(os.path.join(root, n) for n in names if not n.startswith("."))
-    weights = [f for f in found if f.endswith(WEIGHT_SUFFIXES)]
-    return sorted(weights or [f for f in found if os.path.isfile(f)])
+        return []
+    found = sorted(os.path.join(model, n) for n in os.listdir(model)
+                   if not n.startswith(".") and os.path.isfile(os.path.join(model, n)))
+    for suffixes in WEIGHT_KINDS:
+        chosen = [f for f in found if f.endswith(suffixes)]
+        if chosen:
+            return chosen
+    return found
+
+
+def _name(model: str, path: str) -> str:
+    return os.path.relpath(path, model) if os.path.isdir(model) else ""
 
 
 def _stat_digest(model: str, files: Iterable[str]) -> str:
     rows = []
     for path in files:
         st = os.stat(path)
-        rows.append([os.path.relpath(path, model) if os.path.isdir(model) else "", st.st_size, st.st_mtime_ns])
+        rows.append([_name(model, path), st.st_size, st.st_mtime_ns])
     return hashlib.blake2b(json.dumps(rows).encode(), digest_size=16).hexdigest()
 
 
@@ -112,7 +141,7 @@ def _content_digest(model: str, files: Iterable[str]) -> str:
     buffer = bytearray(READ_BYTES)
     view = memoryview(buffer)
     for path in files:
-        h.update((os.path.relpath(path, model) if os.path.isdir(model) else "").encode() + b"\0")
+        h.update(_name(model, path).encode() + b"\0")
         with open(path, "rb", buffering=0) as f:
             while n := f.readinto(buffer):
                 h.update(view[:n])
@@ -123,12 +152,24 @@ def _config_digest(config: Any) -> str:
     """The model config's digest, without private keys (``_name_or_path``: the same config at another path) and
     the version of the library that wrote it."""
     if isinstance(config, dict):
-        config = {k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"}
-    text = json.dumps(config, sort_keys=True, default=_plain) if config is not None else ""
+        config = {k: v for k, v in config.items() if not str(k).startswith("_") and k != "transformers_version"}
+    text = json.dumps(_str_keys(config), sort_keys=True, default=_plain) if config is not None else ""
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _plain(value: Any) -> str:
-    """A value JSON does not know, as text that is the same in every process (no object addresses)."""
+def _str_keys(value: Any) -> Any:
+    """Mappings with text keys all the way down (keys of mixed types cannot be sorted)."""
+    if isinstance(value, dict):
+        return {str(k): _str_keys(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_str_keys(v) for v in value]
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """A value JSON does not know, as something that is the same in every process: sets sorted, no object
+    addresses."""
+    if isinstance(value, set | frozenset):
+        return sorted(str(v) for v in value)
     text = str(value)
     return f"<{type(value).__qualname__}>" if " at 0x" in text else text

@@ -13,7 +13,7 @@ import pytest
 from kvtier.config import load_config
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.errors import ConfigError
-from kvtier.fingerprint import ModelFacts, fingerprint, hub_commit, weight_files, weights_id
+from kvtier.fingerprint import FingerprintError, ModelFacts, fingerprint, hub_commit, weight_files, weights_id
 from kvtier.layout import simple_config
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -35,10 +35,22 @@ def replace_keeping_mtime(path: Path, data: bytes) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_weight_files_are_the_weights_not_hidden_or_config_files(tmp_path: Path) -> None:
+def test_weight_files_are_what_the_engine_loads(tmp_path: Path) -> None:
+    """Top-level regular files of the kind the engine prefers: not hidden files, subdirectories (``original/``),
+    other formats beside safetensors, or dangling links."""
     model = checkpoint(tmp_path / "m")
+    (model / "pytorch_model.bin").write_bytes(b"old format")
+    (model / "original").mkdir()
+    (model / "original" / "consolidated.00.pth").write_bytes(b"x")
+    (model / "training_args.safetensors").symlink_to(tmp_path / "gone")
     assert [Path(f).name for f in weight_files(str(model))] == ["model-00001-of-00002.safetensors",
                                                                "model-00002-of-00002.safetensors"]
+    only_bin = tmp_path / "b"
+    only_bin.mkdir()
+    (only_bin / "pytorch_model.bin").write_bytes(b"w")
+    (only_bin / "config.json").write_text("{}")
+    assert [Path(f).name for f in weight_files(str(only_bin))] == ["pytorch_model.bin"]
+    assert weight_files(str(model / "model-00002-of-00002.safetensors")) == [str(model / "model-00002-of-00002.safetensors")]
 
 
 def test_stat_catches_weights_written_over_the_path_and_shares_with_an_mtime_preserving_copy(tmp_path: Path) -> None:
@@ -77,19 +89,70 @@ def test_auto_takes_the_hub_snapshots_commit_also_through_a_link(tmp_path: Path)
     assert hub_commit(str(plain)) is None and weights_id(str(plain)).startswith("stat:")
 
 
-def test_a_hub_id_resolves_to_its_cached_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hub_id_resolves_to_its_cached_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
-    asked: list[tuple[str, str, Any]] = []
+    snapshot = checkpoint(tmp_path / "models--org--tiny" / "snapshots" / COMMIT)
+    asked: list[tuple[str, Any, Any, Any]] = []
 
-    def cached(repo: str, filename: str, revision: Any = None) -> str:
-        asked.append((repo, filename, revision))
-        return str(tmp_path / "models--org--tiny" / "snapshots" / COMMIT / filename)
+    def cached(repo: str, revision: Any = None, cache_dir: Any = None, local_files_only: Any = None) -> str:
+        asked.append((repo, revision, cache_dir, local_files_only))
+        return str(snapshot)
 
-    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", cached)
-    assert weights_id("org/tiny", "v2") == f"hub:{COMMIT}" and asked == [("org/tiny", "config.json", "v2")]
-    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
-    assert weights_id("org/tiny") == "path:org/tiny"  # not cached here: its name only
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", cached)
+    assert weights_id("org/tiny", "v2", download_dir="/hub") == f"hub:{COMMIT}"
+    assert asked == [("org/tiny", "v2", "/hub", True)]
+    assert weights_id("org/tiny", mode="content") == weights_id(str(snapshot), mode="content")  # its files
+
+
+def test_weights_that_cannot_be_found_or_read_are_an_error_never_a_name(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    def not_cached(*args: Any, **kwargs: Any) -> str:
+        raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", not_cached)
+    for model in ("org/tiny", "gpt2", "org/repo:Q4_K_M", str(tmp_path / "missing")):
+        for mode in ("auto", "stat", "content"):
+            with pytest.raises(FingerprintError):
+                weights_id(model, mode=mode)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FingerprintError, match="no weight files"):
+        weights_id(str(empty), mode="stat")
+
+
+def test_an_engine_whose_weights_cannot_be_fingerprinted_is_not_served(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """identity_from never raises: the fingerprint is None (a warning says why), the scheduler is blocked and a
+    worker's namespace matches nothing ever written."""
+    from kvtier.connector.capability import weights_blocker
+
+    engine = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path / "gone"), revision=None,
+                                                          hf_config=None, dtype="float32", quantization=None))
+    cfg = load_config({"tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]})
+    with caplog.at_level("WARNING"):
+        ident = identity_from(cfg, engine)
+    assert ident.fingerprint is None and "cannot tie its records" in caplog.text
+    assert weights_blocker(ident.fingerprint) is not None and weights_blocker("") is None
+    kcc = simple_config(2, 2, 8, block_size=16)
+    assert namespaces(ident, kcc, 16) != namespaces(ident, kcc, 16)  # never the same twice
+    assert identity_from(cfg, engine, fingerprinted=False).fingerprint == ""
+
+
+def test_the_fingerprint_is_the_same_in_every_process(tmp_path: Path) -> None:
+    """Sets in a config and object reprs must not make the digest depend on the process (hash seed, addresses)."""
+    import subprocess
+    import sys
+
+    model = checkpoint(tmp_path / "m")
+    code = ("import sys; from kvtier.fingerprint import ModelFacts, fingerprint; "
+            "print(fingerprint(ModelFacts(sys.argv[1], None, {'s': {'a', 'b', 'c', 'd'}, 'o': object(), "
+            "1: 'int key', 'k': {2: 'x', 'y': 3}}, 'float32')))")
+    digests = {subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+    assert len(digests) == 1 and len(digests.pop().strip()) == 32
 
 
 def test_off_leaves_the_weights_out_and_an_unknown_mode_is_refused(tmp_path: Path) -> None:
@@ -114,8 +177,6 @@ def test_the_config_dtypes_and_quantization_join_the_fingerprint_but_the_models_
                ModelFacts(model, None, base.hf_config, "torch.float32", "fp8", "auto", "auto"),
                ModelFacts(model, None, base.hf_config, "torch.float32", None, "fp8_e4m3", "auto")]
     assert len({fingerprint(base), *(fingerprint(f) for f in changed)}) == 5
-    odd = [ModelFacts(model, None, {"x": object(), "dtype": type}, "f") for _ in range(2)]  # reprs with addresses
-    assert fingerprint(odd[0]) == fingerprint(odd[1])
 
 
 def test_new_weights_at_the_same_path_give_other_keys(tmp_path: Path) -> None:

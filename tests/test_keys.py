@@ -46,7 +46,7 @@ print(json.dumps([k.hex() for k in chunk_keys(ns.digest(), list(range(1000, 1010
 @pytest.mark.parametrize("change", [
     {"model": "other"}, {"revision": "v2"}, {"kv_dtype": "float16"}, {"group": {"kind": "mla"}},
     {"layer_names": ("l0",)}, {"tp_rank": 1}, {"tp_size": 2}, {"chunk_size": 8}, {"tenant": "acme"},
-    {"format_version": 2},
+    {"format_version": 2}, {"fingerprint": "0f" * 16},
 ])
 def test_every_namespace_field_changes_every_key(change: dict[str, object]) -> None:
     other = Namespace(**{**vars(NS), **change})

@@ -197,8 +197,8 @@ class FullAttentionSpecPackedV(FullAttentionSpecV):
 
 
 def test_page_packing_joins_the_namespace_and_registered_views_must_follow_it() -> None:
-    """Two backends whose pages have one shape but pack K and V differently (here [B, 2, N, H*D] vs
-    [B, H, N, 2D] with 2 KV heads: 2 slots of 512 bytes either way) never share records, and a view that does not
+    """Two specs whose pages have one shape (2 head slots of 512 bytes per token) but pack them differently (V's
+    head size 64 vs 32) never share records, nor with a spec that does not say how it packs; a view that does not
     follow its spec is refused."""
     from kvtier.connector.keying import Identity, group_namespace
     from kvtier.connector.registration import check_packing

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm, fingerprint"
+HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, fingerprint"
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "hit-rate": ("kvtier.bench.hitrate", "token hit rate of each eviction policy on a trace or workload"),
@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("kvtier.bench.overhead", "scheduler-side cost per request when nothing is reused"),
     "vllm": ("kvtier.bench.vllm_engine", "TTFT and throughput of vLLM's CPU engine: no cache, its prefix cache, "
              "kvtier from each tier"),
+    "vllm-overhead": ("kvtier.bench.vllm_overhead", "cost of an active kvtier on requests that never hit, in "
+                      "vLLM's CPU engine"),
     "fingerprint": ("kvtier.bench.fingerprint", "start-up cost of the weights fingerprint beside a plain read"),
 }
 

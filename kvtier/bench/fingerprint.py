@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.measure import Spread, save_results
+from kvtier.bench.measure import Spread, drop_page_cache, save_results
 from kvtier.fingerprint import READ_BYTES, weight_files, weights_id
 
 HELP = "start-up cost of the weights fingerprint (stat, content hash) beside a plain read"
@@ -39,17 +39,6 @@ def make_checkpoint(root: Path, total: int, shards: int) -> Path:
     return root
 
 
-def evict(files: list[str]) -> None:
-    """Drop the files' pages from the page cache (as after a reboot or on a cold host)."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def raw_read(files: list[str]) -> None:
     buffer = bytearray(READ_BYTES)
     for path in files:
@@ -58,7 +47,7 @@ def raw_read(files: list[str]) -> None:
                 pass
 
 
-def timed(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> Spread:
+def _spread(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> Spread:
     samples = []
     for _ in range(repeats):
         if before is not None:
@@ -76,13 +65,13 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
         "stat": (lambda: weights_id(model, mode="stat"), None),
         "content_warm": (lambda: weights_id(model, mode="content"), lambda: raw_read(files)),
         "raw_read_warm": (lambda: raw_read(files), lambda: raw_read(files)),
-        "content_cold": (lambda: weights_id(model, mode="content"), lambda: evict(files)),
-        "raw_read_cold": (lambda: raw_read(files), lambda: evict(files)),
+        "content_cold": (lambda: weights_id(model, mode="content"), lambda: drop_page_cache(files)),
+        "raw_read_cold": (lambda: raw_read(files), lambda: drop_page_cache(files)),
     }
     out: dict[str, Any] = {"files": len(files), "bytes": total, "seconds": {}, "gb_per_s": {},
                            "seconds_at_16gb": {}}
     for name, (fn, before) in runs.items():
-        spread = timed(fn, repeats, before)
+        spread = _spread(fn, repeats, before)
         out["seconds"][name] = vars(spread)
         if name != "stat":
             rate = total / spread.median

@@ -1,12 +1,18 @@
-"""Whether the engine can compute a prompt on top of a cached prefix: the precondition of every hit.
+"""Whether kvtier may serve this engine at all: the engine can compute on a cached prefix, and kvtier knows what
+computes its KV. Every hit depends on both.
 
-kvtier's hit makes the engine prefill only the tokens after the loaded prefix. An engine whose attention cannot
-prefill after a computed prefix would compute those tokens without the prefix's context and answer wrongly.
-kvtier reads the engine's own decision instead of a list of models: vLLM turns both prefix caching and chunked
-prefill off exactly when its attention cannot do that for the model (its CPU platform for MLA without AMX, whose
-reference MLA backend prefills from scratch; models with non-causal attention; encoder-only models). A user who
-turns both off is treated the same: kvtier then neither loads nor saves (records saved there would only serve
-engines of the same kind, which cannot use them either) and says so once.
+kvtier's hit makes the engine prefill only the tokens after the loaded prefix. kvtier reads the engine's own
+decision instead of a list of models:
+
+- vLLM turns prefix caching and chunked prefill both off when its attention cannot prefill after a computed
+  prefix (its CPU platform for MLA without AMX, whose reference backend prefills from scratch; models with
+  non-causal attention): kvtier never serves such an engine.
+- vLLM turns prefix caching alone off for models whose KV is not a function of the prefix alone (e.g. windows
+  over generated tokens), and operators turn it off by choice; kvtier cannot tell the two apart, so it serves an
+  engine without prefix caching only when its config says ``serve_without_prefix_caching: true``.
+
+A blocked engine gets no lookups and no saves (records saved there would only serve engines of the same kind,
+which cannot use them either), and one warning at start says why.
 """
 
 from __future__ import annotations
@@ -14,13 +20,25 @@ from __future__ import annotations
 from typing import Any
 
 
-def prefix_resume_blocker(vllm_config: Any) -> str | None:
-    """Why the engine cannot compute on a cached prefix, or None when it can (or does not say: engines without
-    these settings, such as kvtier's reference engine, always can)."""
+def prefix_resume_blocker(vllm_config: Any, serve_without_prefix_caching: bool = False) -> str | None:
+    """Why kvtier must not serve this engine's prefixes, or None when it may (engines without these settings,
+    such as kvtier's reference engine, always may)."""
     prefix = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", None)
     chunked = getattr(getattr(vllm_config, "scheduler_config", None), "enable_chunked_prefill", None)
     if prefix is False and chunked is False:
         return ("the engine runs with prefix caching and chunked prefill both off, which vLLM does when its "
                 "attention cannot prefill after a cached prefix for this model (e.g. its CPU MLA backend without "
                 "AMX); enable either one if the engine supports it")
+    if prefix is False and not serve_without_prefix_caching:
+        return ("the engine runs with its prefix cache off, which vLLM also does for models whose KV cannot be "
+                "reused from a prefix; if you turned it off yourself, set serve_without_prefix_caching: true in "
+                "kvtier's config (or turn the engine's prefix caching on)")
+    return None
+
+
+def weights_blocker(fingerprint: str | None) -> str | None:
+    """Why kvtier must not serve, when the model's weights could not be fingerprinted (kvtier.fingerprint)."""
+    if fingerprint is None:
+        return ("kvtier cannot tie records to this model's weights (see the warning above); set namespace.weights: "
+                "off, and namespace.revision to your deployment's version, to cache it")
     return None

@@ -7,6 +7,8 @@ its own key while the directory tracks one key per chunk.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +17,8 @@ from kvtier.config import KvtierConfig
 from kvtier.fingerprint import ModelFacts, fingerprint
 from kvtier.keys import DIGEST_BYTES, Key, Namespace, chunk_keys
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,13 +31,14 @@ class Identity:
     tenant: str = ""
     tp_rank: int = 0
     tp_size: int = 1
-    fingerprint: str = ""
+    fingerprint: str | None = ""  # None: the weights could not be fingerprinted (nothing may be served)
 
 
-def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | None = None) -> Identity:
+def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | None = None, *,
+                  fingerprinted: bool = True) -> Identity:
     """The identity from kvtier's namespace section; the engine's model name when the section leaves it
-    at "default"; the tensor-parallel size from the engine's parallel config; the fingerprint of the engine's
-    model under ``namespace.weights``."""
+    at "default"; the tensor-parallel size from the engine's parallel config; with ``fingerprinted``, the
+    fingerprint of the engine's model under ``namespace.weights`` (None when it cannot be taken)."""
     model = cfg.namespace.model
     engine_model = getattr(getattr(vllm_config, "model_config", None), "model", None)
     if model == "default" and engine_model:
@@ -41,9 +46,24 @@ def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | Non
     parallel = getattr(vllm_config, "parallel_config", None)
     size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     rank = tp_rank if tp_rank is not None else int(getattr(parallel, "rank", 0) or 0) % size
-    facts = model_facts(vllm_config)
-    digest = fingerprint(facts, cfg.namespace.weights) if facts is not None else ""
+    digest = model_fingerprint(vllm_config, cfg.namespace.weights) if fingerprinted else ""
     return Identity(model, cfg.namespace.revision, cfg.namespace.tenant, rank, size, digest)
+
+
+def model_fingerprint(vllm_config: Any, mode: str) -> str | None:
+    """The fingerprint of the engine's model (kvtier.fingerprint): "" when the engine does not describe one, None
+    (with a warning) when its weights cannot be found or read."""
+    facts = model_facts(vllm_config)
+    if facts is None:
+        return ""
+    try:
+        digest = fingerprint(facts, mode)
+    except Exception as exc:  # a missing, unreadable or odd checkpoint: no cache rather than a wrong one
+        logger.warning("kvtier cannot tie its records to the weights of %s (namespace.weights=%s): %s",
+                       facts.model, mode, exc)
+        return None
+    logger.info("kvtier records are tied to %s (namespace.weights=%s, fingerprint %s)", facts.model, mode, digest)
+    return digest
 
 
 def model_facts(vllm_config: Any) -> ModelFacts | None:
@@ -55,10 +75,20 @@ def model_facts(vllm_config: Any) -> ModelFacts | None:
     hf_config = getattr(model_config, "hf_config", None)
     to_dict = getattr(hf_config, "to_dict", None)
     cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
-    load = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
+    load_config = getattr(vllm_config, "load_config", None)
     return ModelFacts(str(model), _text(getattr(model_config, "revision", None)),
                       to_dict() if callable(to_dict) else None, str(getattr(model_config, "dtype", "")),
-                      _text(getattr(model_config, "quantization", None)), _text(cache_dtype), _text(load))
+                      _text(getattr(model_config, "quantization", None)), _text(cache_dtype),
+                      _text(getattr(load_config, "load_format", None)),
+                      _text(getattr(load_config, "download_dir", None)),
+                      _text(getattr(model_config, "model_weights", None)) or None,
+                      _text(getattr(model_config, "weights_identity", None)))
+
+
+def _known(digest: str | None) -> str:
+    """A fingerprint for the namespace; one that matches nothing ever written when it could not be taken (this
+    process then only misses: its loads fail and are recomputed)."""
+    return digest if digest is not None else f"unknown-{uuid.uuid4().hex}"
 
 
 def _text(value: Any) -> str | None:
@@ -77,7 +107,7 @@ def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *
     if kv_packing is not None:
         described = {**described, "kv_packing": kv_packing}
     ns = Namespace(
-        model=ident.model, revision=ident.revision, fingerprint=ident.fingerprint,
+        model=ident.model, revision=ident.revision, fingerprint=_known(ident.fingerprint),
         kv_dtype=spec.dtype if isinstance(spec, FullAttentionSpec) else "",
         group=described, layer_names=tuple(group.layer_names),
         tp_rank=ident.tp_rank if rank is None else rank, tp_size=ident.tp_size,

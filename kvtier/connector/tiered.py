@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, KvtierConfig, TierKind, load_config
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
-from kvtier.connector.capability import prefix_resume_blocker
+from kvtier.connector.capability import prefix_resume_blocker, weights_blocker
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.scheduler import SchedulerHalf
@@ -144,10 +144,12 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
             kcc = config_from_vllm_model(self._vllm_config)
         ident = identity_from(cfg, self._vllm_config, tp_rank=0)
         spaces = namespaces(ident, kcc, cfg.chunk_size)
+        blocker = (prefix_resume_blocker(self._vllm_config, cfg.serve_without_prefix_caching)
+                   or weights_blocker(ident.fingerprint))
         if self._store is not None:
             tiers = {n: self._store.tier(n) for n in self._store.tier_names}
             return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop,
-                                 save_reports=False, blocker=prefix_resume_blocker(self._vllm_config))
+                                 save_reports=False, blocker=blocker)
         from kvtier.tiers import make_tier
 
         # the scheduler plans with rank 0's keys, so it sees rank 0's disk directory (the other ranks hold the
@@ -166,11 +168,13 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
             if not tier.is_shared:
                 directory.adopt(tier.name, ((e.key, e.size) for e in tier.entries()))
         return SchedulerHalf(cfg, kcc, spaces, directory=directory, tiers={t.name: t for t in built},
-                             loop=self._loop, tp_size=ident.tp_size,
-                             blocker=prefix_resume_blocker(self._vllm_config))
+                             loop=self._loop, tp_size=ident.tp_size, blocker=blocker)
 
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
-        ident = identity_from(cfg, self._vllm_config, tp_rank=self._worker_tp_rank())
+        # rank 0 stores under the scheduler's keys as shipped; other ranks key their own shards (kvtier.keying)
+        ident = identity_from(cfg, self._vllm_config, tp_rank=self._worker_tp_rank(), fingerprinted=False)
+        if ident.tp_rank != 0:
+            ident = identity_from(cfg, self._vllm_config, tp_rank=ident.tp_rank)
         if self._store is None:
             self._store = TieredStore.from_config(rank_local(cfg, ident.tp_rank, ident.tp_size),
                                                   hmac_key=hmac_key(cfg))

@@ -61,6 +61,12 @@ class ModelConfig:
                 f"v{self.vocab_size}i{self.intermediate_size}-{pos}{window}-seed{self.seed}")
 
     @property
+    def weights_identity(self) -> str:
+        """What identifies the weights (kvtier.fingerprint): they are generated from the shape and seed the model
+        id names, so the id itself, with the dtype."""
+        return f"{self.model}-{dtype_name(self.dtype)}"
+
+    @property
     def hidden_size(self) -> int:
         return self.num_heads * self.head_size
 

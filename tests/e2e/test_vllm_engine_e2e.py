@@ -52,7 +52,7 @@ def save_then_load(run_engine: EngineRunner, model: tuple[str, str], config: str
     """Engine process 1 computes A (kvtier saves it); a new engine process 2 runs A2."""
     p = prompts()
     spec = {"model": model[0], "dtype": model[1], "connector": connector, "kvtier_config": config,
-            "attention_backend": backend}
+            "attention_backend": backend, "prefix_caching": True}  # as deployed: the new engine's own cache is empty
     first = run_engine({**spec, "phases": [[p["A"]]]}, multiprocessing=multiprocessing)
     second = run_engine({**spec, "phases": [[p["A2"]]]}, multiprocessing=multiprocessing)
     return first, second
@@ -179,7 +179,9 @@ def test_redis_killed_mid_run_requests_complete_with_identical_outputs(
     model, dtype = models("llama")
     p = prompts()
     assert server.proc is not None
+    # one engine process: vLLM's prefix cache off (by choice) so that later phases ask kvtier
     result = run_engine({"model": model, "dtype": dtype, "connector": "kvtier", "kvtier_config": config,
+                         "extra": {"serve_without_prefix_caching": True},
                          "phases": [[p["A"]], [p["A2"], p["B"]], [p["A2"]]],
                          "kill": {"after_phase": 0, "pid": server.proc.pid}})
     assert server.proc.wait(timeout=10) == -signal.SIGKILL  # the engine process killed it after phase 0
@@ -210,7 +212,7 @@ def test_negative_controls_a_record_under_the_wrong_key_is_refused_a_forged_one_
     config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {kv}}}]")
     model, dtype = models("llama")
     p = prompts()
-    spec = {"model": model, "dtype": dtype, "connector": "kvtier", "kvtier_config": config}
+    spec = {"model": model, "dtype": dtype, "connector": "kvtier", "kvtier_config": config, "prefix_caching": True}
     run_engine({**spec, "phases": [[p["A"]], [p["B"]]]})
     spaces = [bytes.fromhex(d.name) for d in kv.iterdir() if d.is_dir() and len(d.name) == 32]
     assert len(spaces) == 1
@@ -251,14 +253,16 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str], tuple[str, str]],
                                                           references: Callable[[str], dict[str, Any]],
                                                           workdir: Path) -> None:
-    """``vllm serve`` (the OpenAI server) with kvtier and vLLM's prefix cache off: two HTTP completions sharing
-    a 260-token prefix; the second one's prompt comes 256 tokens from kvtier."""
+    """``vllm serve`` (the OpenAI server) with kvtier and vLLM's prefix cache off (by choice, so kvtier's config
+    says ``serve_without_prefix_caching``): two HTTP completions sharing a 260-token prefix; the second one's
+    prompt comes 256 tokens from kvtier."""
     from redis_servers import free_port
 
     model, dtype = models("llama")
     config = disk_config(workdir)
     transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-                "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config}}
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"config_file": config, "serve_without_prefix_caching": True}}
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
@@ -320,7 +324,8 @@ def test_weights_replaced_at_the_same_path_never_get_the_old_kv(
     path = workdir / "model"
     shutil.copytree(w1, path)
     p = prompts()
-    spec = {"model": str(path), "dtype": dtype, "connector": "kvtier", "kvtier_config": disk_config(workdir)}
+    spec = {"model": str(path), "dtype": dtype, "connector": "kvtier", "kvtier_config": disk_config(workdir),
+            "prefix_caching": True}
     assert run_engine({**spec, "phases": [[p["A"]]]})["kvtier"]["save_chunks"] == 4
     assert_hit(run_engine({**spec, "phases": [[p["A2"]]]})["phases"][0][0], p["A2"], HIT)  # control: same weights
     for weights in Path(w2).glob("*.safetensors"):
@@ -354,3 +359,18 @@ def test_bench_vllm_quick_run_reports_hits_and_same_first_tokens(workdir: Path) 
 
     suffix_only = [n for _, n in computed_tokens(counts) if n == SUFFIX]  # TTFT requests: max_tokens=1
     assert len(suffix_only) >= len(table), computed_tokens(counts)
+
+
+def test_bench_vllm_overhead_quick_run_measures_no_hit_requests_against_no_connector(workdir: Path) -> None:
+    """``kvtier bench vllm-overhead --quick``: engines of two modes take turns on new prompts; every request
+    misses (the benchmark refuses a hit), every figure and ratio to ``none`` is there."""
+    out = workdir / "vllm_overhead.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "bench", "vllm-overhead", "--quick", "--modes", "none",
+                           "kvtier_cpu", "--json", str(out)], env=engine_env(workdir), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    data = json.loads(out.read_text())
+    assert set(data["results"]) == {"none", "kvtier_cpu"} and len(data["raw"]["none"]) == 2
+    for row in data["results"].values():
+        assert all(row[m]["median"] > 0 for m in ("ttft_s", "decode_s_per_token", "step_s"))
+    assert set(data["results"]["kvtier_cpu"]["vs_none"]) == {"ttft_s", "decode_s_per_token", "step_s"}

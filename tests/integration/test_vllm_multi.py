@@ -112,7 +112,8 @@ def old_style_child() -> dict[str, Any]:
 
 
 def multi_transfer(kit: Any, config_file: str, *children: dict[str, Any]) -> dict[str, Any]:
-    kvtier_child = kit.kvtier_transfer(config_file)
+    # vLLM's prefix cache is off in these tests so that the second request's hit comes from kvtier: by choice
+    kvtier_child = kit.kvtier_transfer(config_file, serve_without_prefix_caching=True)
     return {"kv_connector": "KVTierMultiConnector", "kv_connector_module_path": kit.KVTIER_MODULE,
             "kv_role": "kv_both", "kv_buffer_device": "cpu", "engine_id": "engine-1",
             "kv_connector_extra_config": {"connectors": [kvtier_child, *children]}}

@@ -144,7 +144,8 @@ def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, la
     vLLM's own planner and allocator, the hit restores exactly the first request's KV in both groups."""
     tiers = TIERS[tier] % (tmp_path / "kv") if tier == "disk" else TIERS[tier]
     # Local prefix caching off: the second request's hit can only come from kvtier.
-    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers)), prefix_caching=False)
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers), serve_without_prefix_caching=True),
+                           prefix_caching=False)
     assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
     kcc = kit.planned_kv_cache_config(hybrid=True, layout=layout)
     engine = Engine(cfg, kcc, kit, kernel)
@@ -203,7 +204,8 @@ def legacy_tensors(kcc: Any, kit: Any) -> dict[str, torch.Tensor]:
 
 def test_kv_tensors_kvtier_cannot_read_disable_it_and_the_engine_still_serves(
         kit: Any, make_vllm_config: Any, kvtier_config_file: Any, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file()), prefix_caching=False)
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(), serve_without_prefix_caching=True),
+                           prefix_caching=False)
     kcc = kit.planned_kv_cache_config(hybrid=True)
     with caplog.at_level("ERROR"):
         engine = Engine(cfg, kcc, kit, registered=legacy_tensors(kcc, kit))
@@ -229,27 +231,32 @@ def test_strict_mode_fails_the_start_on_kv_tensors_kvtier_cannot_read(kit: Any, 
                                                                       kvtier_config_file: Any) -> None:
     from kvtier.errors import ConnectorError
 
-    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(), strict=True), prefix_caching=False)
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(), strict=True, serve_without_prefix_caching=True),
+                           prefix_caching=False)
     kcc = kit.planned_kv_cache_config(hybrid=True)
     with pytest.raises(ConnectorError, match="LBHNC"):
         Engine(cfg, kcc, kit, registered=legacy_tensors(kcc, kit))
 
 
-@pytest.mark.parametrize("chunked_prefill", [False, True])
+@pytest.mark.parametrize(("chunked_prefill", "opt_in", "hits"), [(False, False, False), (False, True, False),
+                                                                  (True, False, False), (True, True, True)])
 def test_an_engine_that_cannot_prefill_after_a_cached_prefix_gets_no_hits_and_saves_nothing(
-        chunked_prefill: bool, kit: Any, make_vllm_config: Any, kvtier_config_file: Any,
+        chunked_prefill: bool, opt_in: bool, hits: bool, kit: Any, make_vllm_config: Any, kvtier_config_file: Any,
         caplog: pytest.LogCaptureFixture) -> None:
     """vLLM turns prefix caching and chunked prefill both off when its attention cannot compute on a cached
-    prefix (its CPU platform does so for MLA without AMX): kvtier then loads and saves nothing, and says so once.
-    With chunked prefill on (prefix caching still off) the same engine hits: the gate is not prefix caching."""
-    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file()), prefix_caching=False,
-                           chunked_prefill=chunked_prefill)
+    prefix (its CPU platform does so for MLA without AMX): kvtier then loads and saves nothing, and says so once,
+    whatever its config says. Prefix caching alone off (vLLM's choice for some models, or the operator's) is
+    served only with ``serve_without_prefix_caching: true``; then the engine hits."""
+    transfer = kit.kvtier_transfer(kvtier_config_file(), serve_without_prefix_caching=opt_in)
+    cfg = make_vllm_config(transfer, prefix_caching=False, chunked_prefill=chunked_prefill)
     kcc = kit.planned_kv_cache_config(hybrid=True)
     with caplog.at_level("WARNING"):
         engine = Engine(cfg, kcc, kit)
     try:
-        said = [r for r in caplog.records if "kvtier loads and saves nothing" in r.getMessage()]
-        assert len(said) == (0 if chunked_prefill else 1)
+        said = [r.getMessage() for r in caplog.records if "kvtier loads and saves nothing" in r.getMessage()]
+        assert len(said) == (0 if hits else 1)
+        if not hits:
+            assert ("chunked prefill both off" if not chunked_prefill else "serve_without_prefix_caching") in said[0]
         engine.add("r1", PREFIX)
         list(engine.run())
         engine.add("r2", [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6])
@@ -257,9 +264,31 @@ def test_an_engine_that_cannot_prefill_after_a_cached_prefix_gets_no_hits_and_sa
         computed = next(s for s in steps if "r2" in s.num_scheduled_tokens).num_scheduled_tokens["r2"]
         loads = [spec for meta in engine.metadata for spec in meta.loads]
         saves = [spec for meta in engine.metadata for spec in meta.saves]
-        if chunked_prefill:
+        if hits:
             assert computed == 8 and loads and saves
         else:
             assert computed == 72 and not loads and not saves
     finally:
         engine.close()
+
+
+def test_with_the_engines_prefix_cache_on_a_new_engine_hits_from_kvtier(
+        kit: Any, make_vllm_config: Any, kvtier_config_file: Any, tmp_path: Any) -> None:
+    """The deployed setting: vLLM's prefix cache on. A second engine (a new Scheduler, its own cache empty) gets
+    the first one's prefix from kvtier's disk tier."""
+    tiers = TIERS["disk"] % (tmp_path / "kv")
+    kcc = kit.planned_kv_cache_config(hybrid=True)
+    first = Engine(make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers))), kcc, kit)
+    try:
+        first.add("r1", PREFIX)
+        list(first.run())
+    finally:
+        first.close()
+    second = Engine(make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers))), kcc, kit)
+    try:
+        second.add("r2", [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6])
+        steps = list(second.run())
+        assert next(s for s in steps if "r2" in s.num_scheduled_tokens).num_scheduled_tokens == {"r2": 8}
+        assert {spec.group for meta in second.metadata for spec in meta.loads} == {0, 1}
+    finally:
+        second.close()

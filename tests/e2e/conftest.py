@@ -148,15 +148,17 @@ def workdir() -> Iterator[Path]:
 def references(models: Callable[[str], tuple[str, str]], run_engine: EngineRunner
                ) -> Callable[..., dict[str, Any]]:
     """Per model kind (and attention backend), once: A2 and B with no cache at all, each checked to be computed
-    whole, and (``prefix=True``) A then A2 with vLLM's own prefix cache, checked to have hit A's 256 tokens."""
-    cache: dict[tuple[str, str | None, bool], dict[str, Any]] = {}
+    whole, and (``prefix=True``) A then A2 with vLLM's own prefix cache, checked to have hit A's 256 tokens.
+    ``cache_on``: the uncached runs in an engine with prefix caching on (nothing to hit: it schedules prefills as
+    such an engine does, e.g. aligned to a hybrid model's state blocks)."""
+    cache: dict[tuple[str, str | None, bool, bool], dict[str, Any]] = {}
 
-    def get(kind: str, backend: str | None = None, prefix: bool = True) -> dict[str, Any]:
-        if (kind, backend, prefix) not in cache:
+    def get(kind: str, backend: str | None = None, prefix: bool = True, cache_on: bool = False) -> dict[str, Any]:
+        if (kind, backend, prefix, cache_on) not in cache:
             model, dtype = models(kind)
             p = prompts()
             spec = {"model": model, "dtype": dtype, "attention_backend": backend}
-            plain = run_engine({**spec, "phases": [[p["A2"]], [p["B"]]]})
+            plain = run_engine({**spec, "prefix_caching": cache_on, "phases": [[p["A2"]], [p["B"]]]})
             ref = {"A2": plain["phases"][0][0], "B": plain["phases"][1][0]}
             assert_uncached(ref["A2"], p["A2"])
             assert_uncached(ref["B"], p["B"])
@@ -164,7 +166,7 @@ def references(models: Callable[[str], tuple[str, str]], run_engine: EngineRunne
                 cached = run_engine({**spec, "prefix_caching": True, "phases": [[p["A"]], [p["A2"]]]})
                 ref["A2_prefix_cached"] = cached["phases"][1][0]
                 assert_hit(ref["A2_prefix_cached"], p["A2"], 256)  # a "prefix-cached" reference did hit
-            cache[kind, backend, prefix] = ref
-        return cache[kind, backend, prefix]
+            cache[kind, backend, prefix, cache_on] = ref
+        return cache[kind, backend, prefix, cache_on]
 
     return get

@@ -144,7 +144,9 @@ def test_linear_attention_hybrid_serves_without_hits(
     assert_uncached(out, prompts()["A2"])
     assert second["kvtier"].get("load_chunks", 0) == 0
     assert not second["kvtier"]["disabled"]
-    assert close_output(out, references("qwen3_next", prefix=False)["A2"], tol=0.05)  # bf16
+    # the uncached run of an engine with prefix caching on too (it aligns prefill steps to the 160-token state
+    # blocks, so it sums in another order than an engine without)
+    assert same_output(out, references("qwen3_next", prefix=False, cache_on=True)["A2"])
 
 
 def test_multi_connector_with_a_legacy_child_hits(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import KvtierConfig, TierKind, WritePolicy
+from kvtier.connector.counters import failed_saves, worker_disabled
 from kvtier.connector.hits import GroupNeed, best_hit, chunk_alignment, hit_limit
 from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
-from kvtier.connector.plans import DISABLED, FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.directory import Directory, StorePlan
 from kvtier.keys import Key
 from kvtier.layout import UNSERVED, GroupKind, KVCacheConfig, SlidingWindowSpec
@@ -61,36 +62,6 @@ def _tokens(source: Any) -> Sequence[int]:
     """Every token whose KV the engine may compute: prompt and outputs when the request object has them."""
     tokens = getattr(source, "all_token_ids", None)
     return tokens if tokens is not None else (source.prompt_token_ids or ())
-
-
-def worker_disabled(stats: Any) -> bool:
-    """Whether a worker reported (``kvtier_disabled`` in its stats, also inside a MultiConnector's) that it could not
-    read the engine's KV tensors."""
-    data = getattr(stats, "data", None)
-    if not isinstance(data, dict):
-        return False
-    if data.get(DISABLED):
-        return True
-    return any(worker_disabled(child) for child in data.values() if hasattr(child, "data"))
-
-
-def failed_saves(stats: Any) -> list[tuple[str, str, Key, str]]:
-    """(request id, tier, key, rank) of every chunk the workers reported not stored (``failed_saves`` rows of
-    the stats; a MultiConnector's stats hold each child's stats by class name)."""
-    data = getattr(stats, "data", None)
-    if not isinstance(data, dict):
-        return []
-    rows = data.get(FAILED_SAVES)
-    if rows is None:
-        return [row for child in data.values() if hasattr(child, "data") for row in failed_saves(child)]
-    out: list[tuple[str, str, Key, str]] = []
-    for row in rows:
-        try:
-            req_id, tier, key, rank = row
-            out.append((str(req_id), str(tier), bytes.fromhex(key), str(rank)))
-        except (TypeError, ValueError):
-            logger.warning("ignoring a malformed failed-save row %r", row)
-    return out
 
 
 class SchedulerHalf:

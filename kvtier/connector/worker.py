@@ -23,14 +23,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.connector.base import KVConnectorStats
+from kvtier.connector.counters import GroupLoad, WorkerCounters
 from kvtier.connector.keying import Identity, namespaces, rank_key
-from kvtier.connector.plans import DISABLED, FAILED_SAVES, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.plans import DISABLED, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.connector.registration import derive_config, group_tensors
 from kvtier.directory import StorePlan
 from kvtier.errors import ConnectorError
@@ -54,54 +54,6 @@ WAIT_TIMEOUT_S = 5.0  # longest blocking wait of the engine's thread on the I/O 
 ASYNC_LOAD_TIMEOUT_S = 30.0  # an asynchronous load that takes longer fails (its blocks become load errors)
 IDLE_WAIT_S = 0.02  # in a step that computes nothing, wait this long at most for a pending async load
 CANCEL_GRACE_S = 1.0  # extra wait for a timed-out coroutine to unwind (release what it borrowed)
-
-
-class _Stats:
-    """Thread-safe counters and failed-save rows (loads run on the caller's thread, saves on the I/O loop)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data: dict[str, float] = {}
-        self._totals: dict[str, float] = {}  # since start, never taken
-        self._failed: list[list[str]] = []
-
-    def add(self, **values: float) -> None:
-        with self._lock:
-            for name, value in values.items():
-                self._data[name] = self._data.get(name, 0) + value
-                self._totals[name] = self._totals.get(name, 0) + value
-
-    def totals(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._totals)
-
-    def fail(self, rows: Iterable[list[str]]) -> None:
-        with self._lock:
-            self._failed.extend(rows)
-
-    def take(self) -> dict[str, Any]:
-        with self._lock:
-            data: dict[str, Any] = dict(self._data)
-            if self._failed:
-                data[FAILED_SAVES] = self._failed
-            self._data, self._failed = {}, []
-        return data
-
-
-class _GroupLoad:
-    """The chunks of one group read for one scatter: their blocks, payloads and tiers."""
-
-    def __init__(self) -> None:
-        self.blocks: list[tuple[int, ...]] = []
-        self.payloads: list[torch.Tensor] = []
-        self.per_tier: dict[str, int] = {}
-        self.nbytes = 0
-
-    def add(self, tier: str, ids: tuple[int, ...], payload: torch.Tensor) -> None:
-        self.blocks.append(ids)
-        self.payloads.append(payload)
-        self.per_tier[tier] = self.per_tier.get(tier, 0) + 1
-        self.nbytes += payload.numel() * payload.element_size()
 
 
 def _done(value: T) -> concurrent.futures.Future[T]:
@@ -135,7 +87,7 @@ class WorkerHalf:
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self._save_lock = asyncio.Lock()
-        self._stats = _Stats()
+        self._stats = WorkerCounters()
         self.wait_timeout_s = WAIT_TIMEOUT_S
         self.async_load_timeout_s = ASYNC_LOAD_TIMEOUT_S
 
@@ -285,7 +237,7 @@ class WorkerHalf:
         A chunk counts as loaded (``load_chunks``, ``hits_<tier>``, ``load_chunks_group<g>``, ``load_bytes``) only
         once its copy into the engine's blocks has completed; a chunk that was not read, or whose group's scatter
         failed, counts in ``load_failures`` and its blocks are reported for recompute."""
-        per_group: dict[int, _GroupLoad] = {}
+        per_group: dict[int, GroupLoad] = {}
         missing = 0
         for spec, values in zip(specs, results, strict=True):
             for ids, value in zip(spec.block_ids, values, strict=True):
@@ -293,7 +245,7 @@ class WorkerHalf:
                     self._errors.update(b for b in ids if b != NULL_BLOCK)
                     missing += 1
                     continue
-                per_group.setdefault(spec.group, _GroupLoad()).add(spec.tier, ids, value)
+                per_group.setdefault(spec.group, GroupLoad()).add(spec.tier, ids, value)
         if missing:
             self._stats.add(load_failures=missing)
         for group, load in per_group.items():

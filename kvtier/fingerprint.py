@@ -9,7 +9,8 @@ Weight modes (``namespace.weights``):
   copied, downloaded or written over the path (each sets a new mtime); two hosts share records when their files
   carry the same mtimes (``rsync -a``, ``cp -p``, one image).
 - ``content``: an XXH3-128 hash of every weight file's bytes. Same weights, same records on any host and path;
-  costs reading the weights once at start (``kvtier bench fingerprint``).
+  costs reading the weights at start, once in the scheduler's process and once in each tensor-parallel worker
+  of rank 1 and up (``kvtier bench fingerprint``).
 - ``off``: the weights are left out; the operator vouches for them through ``namespace.revision``.
 
 Weights kvtier cannot find or read raise :class:`FingerprintError` (never a name-only identity): the connector
@@ -29,6 +30,9 @@ from typing import Any
 WEIGHT_MODES = ("auto", "stat", "content", "off")
 # the files an engine loads, in the order vLLM prefers them: the first kind present at the top level is the weights
 WEIGHT_KINDS = ((".safetensors",), (".bin", ".pt", ".pth"), (".gguf",), (".ckpt", ".h5", ".msgpack", ".npz"))
+# what vLLM's load formats read first (``pt`` and ``npcache`` take .bin/.pt files even beside safetensors)
+LOAD_FORMAT_KINDS = {"pt": (".bin", ".pt", ".pth"), "npcache": (".bin", ".pt", ".pth"),
+                     "safetensors": (".safetensors",), "gguf": (".gguf",)}
 HUB_SNAPSHOT = re.compile(r"models--[^/]+--[^/]+/snapshots/([0-9a-f]{40})(?:/|$)")
 READ_BYTES = 8 << 20
 
@@ -58,11 +62,13 @@ def fingerprint(facts: ModelFacts, mode: str = "auto") -> str:
     body = {"config": _config_digest(facts.hf_config), "dtype": facts.dtype, "quantization": facts.quantization,
             "kv_cache_dtype": facts.kv_cache_dtype, "load_format": facts.load_format,
             "weights": (f"engine:{facts.weights_identity}" if facts.weights_identity is not None and mode != "off"
-                        else weights_id(facts.weights_path or facts.model, facts.revision, mode, facts.download_dir))}
+                        else weights_id(facts.weights_path or facts.model, facts.revision, mode, facts.download_dir,
+                                        facts.load_format))}
     return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-def weights_id(model: str, revision: str | None = None, mode: str = "auto", download_dir: str | None = None) -> str:
+def weights_id(model: str, revision: str | None = None, mode: str = "auto", download_dir: str | None = None,
+               load_format: str | None = None) -> str:
     """The weights' identity under ``mode``: ``hub:<commit>``, ``stat:<digest>``, ``content:<digest>`` or ``off``."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"unknown weights fingerprint mode {mode!r}; use one of {', '.join(WEIGHT_MODES)}")
@@ -75,7 +81,7 @@ def weights_id(model: str, revision: str | None = None, mode: str = "auto", down
         match = HUB_SNAPSHOT.search(os.path.realpath(local))
         if match is not None:
             return f"hub:{match.group(1)}"
-    files = weight_files(local)
+    files = weight_files(local, load_format)
     if not files:
         raise FingerprintError(f"no weight files under {local!r}")
     if mode == "content":
@@ -103,17 +109,19 @@ def local_weights(model: str, revision: str | None = None, download_dir: str | N
         return None
 
 
-def weight_files(model: str) -> list[str]:
+def weight_files(model: str, load_format: str | None = None) -> list[str]:
     """The weight files of ``model`` as an engine loads them: the first kind of :data:`WEIGHT_KINDS` found among
-    the regular, non-hidden files at its top level (every such file if none is of a known kind), sorted; a file
-    path is its own weights."""
+    the regular, non-hidden files at its top level (the kind ``load_format`` names first: vLLM's ``pt`` and
+    ``npcache`` load ``.bin``/``.pt`` files even beside safetensors), sorted; every such file if none is of a
+    known kind (then the config and tokenizer files count too); a file path is its own weights."""
     if os.path.isfile(model):
         return [model]
     if not os.path.isdir(model):
         return []
     found = sorted(os.path.join(model, n) for n in os.listdir(model)
                    if not n.startswith(".") and os.path.isfile(os.path.join(model, n)))
-    for suffixes in WEIGHT_KINDS:
+    first = LOAD_FORMAT_KINDS.get(load_format or "")
+    for suffixes in ((first,) if first else ()) + WEIGHT_KINDS:
         chosen = [f for f in found if f.endswith(suffixes)]
         if chosen:
             return chosen

@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import logging
 import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class LoopThread:
@@ -27,11 +29,13 @@ class LoopThread:
         self._ready.wait()
 
     def _main(self) -> None:
-        single_threaded_torch()
-        # asyncio.to_thread's threads (disk I/O) likewise
-        self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
-            thread_name_prefix="kvtier-io", initializer=single_threaded_torch))
-        asyncio.set_event_loop(self._loop)
+        try:
+            single_threaded_torch()
+            # asyncio.to_thread's threads (disk I/O) likewise
+            self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+                thread_name_prefix="kvtier-io", initializer=single_threaded_torch))
+        finally:
+            asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._ready.set)
         self._loop.run_forever()
 
@@ -60,15 +64,14 @@ def single_threaded_torch() -> None:
     A parallel torch op gives the thread that runs it an OpenMP team of its own. In an engine whose compute
     threads fill every core, a second team means more OpenMP threads than cores: OpenMP then stops spin-waiting,
     and each of the engine's many small parallel ops pays a thread wake-up (measured in vLLM's CPU engine:
-    requests that never hit decoded 11-17% slower with kvtier active, 6-8% with this; ``kvtier bench
-    vllm-overhead``). Only this thread's OpenMP setting changes (torch's own ``set_num_threads`` is process-wide,
-    and vLLM forbids it after binding its threads). A no-op until torch is imported or where no OpenMP runtime is
-    loaded."""
+    requests that never hit, cpu tier: see ``kvtier bench vllm-overhead``). Only this thread's OpenMP setting
+    changes (torch's own ``set_num_threads`` is process-wide, and vLLM forbids it after binding its threads). A
+    no-op until torch is imported or where no OpenMP runtime is loaded; never raises."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    torch.get_num_threads()  # torch sets this thread's OpenMP threads on its first use: let that happen first
     try:
+        torch.get_num_threads()  # torch sets this thread's OpenMP threads on its first use: let that happen first
         ctypes.CDLL(None).omp_set_num_threads(1)
-    except (AttributeError, OSError):  # no OpenMP runtime in the process
-        pass
+    except Exception as exc:  # no OpenMP runtime, another platform: torch keeps its own setting here
+        logger.debug("torch ops on %s stay multi-threaded: %r", threading.current_thread().name, exc)

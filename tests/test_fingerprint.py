@@ -194,3 +194,44 @@ def test_new_weights_at_the_same_path_give_other_keys(tmp_path: Path) -> None:
     os.utime(model / "model-00001-of-00002.safetensors", ns=(10**18, 10**18))
     assert namespaces(identity_from(cfg, engine), kcc, 16) != first
     assert identity_from(cfg, None).fingerprint == ""  # an engine that does not describe its model
+
+
+def test_the_load_format_decides_which_files_are_the_weights(tmp_path: Path) -> None:
+    model = checkpoint(tmp_path / "m")
+    (model / "pytorch_model.bin").write_bytes(b"pt weights")
+    assert [Path(f).name for f in weight_files(str(model), "pt")] == ["pytorch_model.bin"]
+    assert [Path(f).suffix for f in weight_files(str(model), "auto")] == [".safetensors", ".safetensors"]
+    before = weights_id(str(model), mode="stat", load_format="pt")
+    os.utime(model / "pytorch_model.bin", ns=(10**18, 10**18))
+    assert weights_id(str(model), mode="stat", load_format="pt") != before
+
+
+def test_a_tensor_parallel_worker_that_cannot_fingerprint_serves_nothing(tmp_path: Path) -> None:
+    """Rank 1 keys its own shards with the fingerprint: without one it disables itself (loads fail and are
+    recomputed, nothing is stored, the scheduler is told through the stats) instead of writing unreadable
+    records."""
+    from kvtier.connector.base import KVConnectorRole
+    from kvtier.connector.tiered import KVTierConnector
+
+    engine = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path / "gone"), revision=None,
+                                                          hf_config=None, dtype="float32", quantization=None),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=2, rank=1))
+    cfg = load_config({"chunk_size": 16, "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]})
+    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, simple_config(2, 2, 8, block_size=16),
+                                       vllm_config=engine)
+    try:
+        worker = work._worker
+        assert worker is not None and worker.disabled is not None and "namespace.weights: off" in worker.disabled
+        stats = work.get_kv_connector_stats()
+        assert stats is not None and stats.data["kvtier_disabled"] == 1
+    finally:
+        work.shutdown()
+
+
+def test_serve_without_prefix_caching_is_a_validated_setting() -> None:
+    tiers = [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]
+    assert load_config({"tiers": tiers}).serve_without_prefix_caching is False
+    env = {"KVTIER_SERVE_WITHOUT_PREFIX_CACHING": "true"}
+    assert load_config({"tiers": tiers}, env=env).serve_without_prefix_caching is True
+    with pytest.raises(ConfigError, match="serve_without_prefix_caching: expected true or false"):
+        load_config({"tiers": tiers, "serve_without_prefix_caching": "yes"})

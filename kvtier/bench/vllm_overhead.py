@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=12, help="measured rounds (after one warm-up round)")
     parser.add_argument("--chunk", type=int, default=32, help="kvtier chunk size (tokens)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--settle", type=float, default=0.3, help="untimed pause between engines' turns (s)")
     parser.add_argument("--model", help="a local checkpoint directory (default: a random-weight Llama made here)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
@@ -133,7 +134,7 @@ def _config(path: Path, mode: str, chunk: int, workdir: Path) -> str:
     return str(path)
 
 
-def measure(engines: Sequence[Engine], rounds: int, length: int, output_tokens: int,
+def measure(engines: Sequence[Engine], rounds: int, length: int, output_tokens: int, settle_s: float = 0.3,
             progress: bool = True) -> dict[str, list[dict[str, float]]]:
     """Warm-up round, then ``rounds`` rounds; each round sends every engine a TTFT request and a decode request
     (new random prompts, the same ones to every mode), modes in a shuffled order."""
@@ -151,6 +152,7 @@ def measure(engines: Sequence[Engine], rounds: int, length: int, output_tokens: 
             if r:
                 samples[engine.mode].append({"ttft_s": one["seconds"], "step_s": many["step_s"],
                                              "decode_s_per_token": (many["seconds"] - one["seconds"]) / output_tokens})
+            time.sleep(settle_s)  # untimed: kvtier's background saves finish before another engine is timed
         if progress:
             print(f"round {r}/{rounds}", file=sys.stderr, flush=True)
     return samples
@@ -207,12 +209,12 @@ def run(args: argparse.Namespace) -> int:
             engines.append(engine)
         for engine in engines:
             engine.answer()  # ready
-        samples = measure(engines, rounds, length, outputs)
+        samples = measure(engines, rounds, length, outputs, args.settle)
     table = summarize(samples)
     _print(table)
     settings = {"length": length, "output_tokens": outputs, "rounds": rounds, "chunk_size": args.chunk,
                 "model": args.model or f"random Llama, {layers} layers x {hidden}, float32", "env": extra,
-                "prefix_caching": True}
+                "prefix_caching": True, "settle_s": args.settle}
     save_results(args, "vllm_overhead", {"settings": settings, "results": table, "raw": samples})
     return 0
 

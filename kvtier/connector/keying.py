@@ -53,14 +53,15 @@ def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | Non
 def model_fingerprint(vllm_config: Any, mode: str) -> str | None:
     """The fingerprint of the engine's model (kvtier.fingerprint): "" when the engine does not describe one, None
     (with a warning) when its weights cannot be found or read."""
-    facts = model_facts(vllm_config)
-    if facts is None:
-        return ""
     try:
+        facts = model_facts(vllm_config)
+        if facts is None:
+            return ""
         digest = fingerprint(facts, mode)
-    except Exception as exc:  # a missing, unreadable or odd checkpoint: no cache rather than a wrong one
+    except Exception as exc:  # a missing, unreadable or odd checkpoint or config: no cache rather than a wrong one
+        model = getattr(getattr(vllm_config, "model_config", None), "model", None)
         logger.warning("kvtier cannot tie its records to the weights of %s (namespace.weights=%s): %s",
-                       facts.model, mode, exc)
+                       model, mode, exc)
         return None
     logger.info("kvtier records are tied to %s (namespace.weights=%s, fingerprint %s)", facts.model, mode, digest)
     return digest

@@ -142,10 +142,10 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
             logger.warning("KVTierConnector got no kv_cache_config: deriving one full-attention group from the "
                            "model config; pass the engine's KVCacheConfig for hybrid models")
             kcc = config_from_vllm_model(self._vllm_config)
-        ident = identity_from(cfg, self._vllm_config, tp_rank=0)
+        blocker = prefix_resume_blocker(self._vllm_config, cfg.serve_without_prefix_caching)
+        ident = identity_from(cfg, self._vllm_config, tp_rank=0, fingerprinted=blocker is None)
+        blocker = blocker or weights_blocker(ident.fingerprint)
         spaces = namespaces(ident, kcc, cfg.chunk_size)
-        blocker = (prefix_resume_blocker(self._vllm_config, cfg.serve_without_prefix_caching)
-                   or weights_blocker(ident.fingerprint))
         if self._store is not None:
             tiers = {n: self._store.tier(n) for n in self._store.tier_names}
             return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop,
@@ -173,14 +173,18 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
         # rank 0 stores under the scheduler's keys as shipped; other ranks key their own shards (kvtier.keying)
         ident = identity_from(cfg, self._vllm_config, tp_rank=self._worker_tp_rank(), fingerprinted=False)
-        if ident.tp_rank != 0:
+        if ident.tp_rank != 0 and prefix_resume_blocker(self._vllm_config, cfg.serve_without_prefix_caching) is None:
             ident = identity_from(cfg, self._vllm_config, tp_rank=ident.tp_rank)
         if self._store is None:
             self._store = TieredStore.from_config(rank_local(cfg, ident.tp_rank, ident.tp_size),
                                                   hmac_key=hmac_key(cfg))
             self._loop.run(self._store.start())
-        return WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size,
-                          strict=cfg.strict)
+        worker = WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size,
+                            strict=cfg.strict)
+        blocker = weights_blocker(ident.fingerprint)
+        if blocker is not None:  # this rank cannot key its shards: it serves and stores nothing
+            worker.disable(blocker)
+        return worker
 
     def _worker_tp_rank(self) -> int | None:
         """This worker's tensor-parallel rank (None: from the engine's parallel config). Engine adapters override."""

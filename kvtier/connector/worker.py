@@ -99,16 +99,22 @@ class WorkerHalf:
         logged, every planned load becomes a load error (the engine recomputes), every save is reported not
         stored, and the scheduler, told through the stats, stops planning. The engine starts and serves. With
         ``strict`` the error is raised instead."""
+        if self.disabled is not None:
+            return
         try:
             self._register(kv_caches)
         except (ConnectorError, ValueError) as exc:
             if self.strict:
                 raise
-            self.disabled = str(exc)
-            self._layers, self._layouts, self._ratios = [], [], []
-            self._stats.add(**{DISABLED: 1})
-            logger.error("kvtier is disabled for this engine (it serves without the cache): %s. Set strict: true "
-                         "in kvtier's config to fail at start instead", exc)
+            self.disable(f"{exc}. Set strict: true in kvtier's config to fail at start instead")
+
+    def disable(self, reason: str) -> None:
+        """Serve nothing from now on: planned loads fail (recomputed), saves are reported not stored, and the
+        scheduler, told through the stats, stops planning."""
+        self.disabled = reason
+        self._layers, self._layouts, self._ratios = [], [], []
+        self._stats.add(**{DISABLED: 1})
+        logger.error("kvtier is disabled for this engine (it serves without the cache): %s", reason)
 
     def _register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         if self.kcc is None:

@@ -300,8 +300,8 @@ def test_a_save_the_worker_could_not_store_is_forgotten_by_the_scheduler(tmp_pat
 
 def test_failed_save_rows_survive_aggregation_and_multi_connector_nesting() -> None:
     from kvtier.connector.base import KVConnectorStats
-    from kvtier.connector.multi import MultiConnectorStats
     from kvtier.connector.counters import failed_saves
+    from kvtier.connector.multi import MultiConnectorStats
 
     key = bytes(range(32))
     rank0 = KVConnectorStats({"save_chunks": 2, "failed_saves": [["A", "disk", key.hex(), "0"]]})

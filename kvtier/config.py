@@ -152,6 +152,12 @@ class PolicyConfig:
     eviction: str = "prefix_lru"
     write: WritePolicy = WritePolicy.WRITE_BACK
     promote_on_hit: bool = True
+    # a chunk is saved once this many requests have asked for it (1: every computed chunk; 2: only prefixes seen
+    # before, so one-off prompts cost no save)
+    store_threshold: int = 1
+    # saves queued on a worker and not yet written (bytes): a step's saves past it are skipped (counted), so a
+    # medium slower than the engine never builds an unbounded queue of held blocks and copies
+    save_backlog: int = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -213,7 +219,7 @@ TIER_CLASSES: dict[TierKind, type[TierConfig]] = {
 }
 MEMORY_KINDS = frozenset({TierKind.GPU, TierKind.CPU})
 COMPRESSIONS = ("none", "lz4", "zstd")
-SIZE_FIELDS = frozenset({"capacity", "slot_bytes"})
+SIZE_FIELDS = frozenset({"capacity", "slot_bytes", "save_backlog"})
 DURATION_FIELDS = frozenset({"ttl", "timeout", "connect_timeout", "breaker_backoff"})
 ZERO_OK = frozenset({"breaker_backoff", "shard_depth"})
 PATH_FIELDS = frozenset({"path", "tls_ca", "tls_cert", "tls_key"})

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import logging
+import os
 import sys
 import threading
 from collections.abc import Coroutine
@@ -75,3 +76,25 @@ def single_threaded_torch() -> None:
         ctypes.CDLL(None).omp_set_num_threads(1)
     except Exception as exc:  # no OpenMP runtime, another platform: torch keeps its own setting here
         logger.debug("torch ops on %s stay multi-threaded: %r", threading.current_thread().name, exc)
+
+
+BACKGROUND_NICE = 19
+
+
+def background_thread() -> None:
+    """Initializer of kvtier's background writer threads: torch single-threaded (see ``single_threaded_torch``)
+    and the lowest CPU priority (nice 19), so that the engine's threads run first.
+
+    Why: on a host whose cores the engine fills (vLLM's CPU engine binds a compute thread to every core), a
+    write that runs beside a step takes a core from it, and the step's parallel ops wait for that core (measured
+    in vLLM's CPU engine, disk tier, requests that never hit: 35-40 ms of writer CPU per 600-token request ran
+    inside the next request's decode). At nice 19 the writes fill the engine's idle time and still progress
+    (a small share of a core) when it is never idle, unlike ``SCHED_IDLE``, which can starve them; the worker's
+    save backlog bound (``policy.save_backlog``) skips saves when they cannot keep up, and an idle engine step
+    waits for the writes it needs (``WorkerHalf.get_finished``). Linux sets this per thread; elsewhere, or
+    without permission, nothing changes. Never raises."""
+    single_threaded_torch()
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError) as exc:
+        logger.debug("kvtier writer thread keeps its priority: %r", exc)

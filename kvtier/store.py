@@ -226,16 +226,18 @@ class TieredStore:
         return [next(written) if v is not None else False for v in values]
 
     async def execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor],
-                      failed: list[tuple[str, Key]] | None = None) -> dict[str, int]:
+                      failed: list[tuple[str, Key]] | None = None, *, skip_writes: bool = False) -> dict[str, int]:
         """Run store plans in order, completing each in the directory; return stored counts per tier, and add
         every (tier, key) not stored to ``failed`` when given.
 
         Every plan runs: one that raises (a failing medium, a failed ``source`` move) is logged and completed
-        as failed, so its keys never stay PENDING, and the next plans still run."""
+        as failed, so its keys never stay PENDING, and the next plans still run. ``skip_writes``: only the
+        plans' evictions run (the directory has already counted their room as free); every write and move is
+        completed as not stored (a save the worker chose to drop)."""
         stored: dict[str, int] = {}
         for plan in plans:
             try:
-                ok = await self._run_plan(plan, payloads)
+                ok = await (self._evict_only(plan) if skip_writes else self._run_plan(plan, payloads))
             except Exception:
                 logger.exception("store plan for tier %s failed (%d keys)", plan.tier, len(plan.store))
                 ok = [False] * len(plan.store)
@@ -246,12 +248,16 @@ class TieredStore:
                 failed.extend((plan.tier, k) for k, done in zip(plan.store, ok, strict=True) if not done)
         return stored
 
-    async def _run_plan(self, plan: StorePlan, payloads: Mapping[Key, torch.Tensor]) -> list[bool]:
-        """Drop ``plan.evicted`` from its tier, then write (or move from ``plan.source``) ``plan.store``."""
+    async def _evict_only(self, plan: StorePlan) -> list[bool]:
         tier = self._tiers[plan.tier]
         if plan.evicted:
             await tier.delete(plan.evicted)
             tier.stats().evictions += len(plan.evicted)
+        return [False] * len(plan.store)
+
+    async def _run_plan(self, plan: StorePlan, payloads: Mapping[Key, torch.Tensor]) -> list[bool]:
+        """Drop ``plan.evicted`` from its tier, then write (or move from ``plan.source``) ``plan.store``."""
+        await self._evict_only(plan)
         if plan.source is not None:
             return await self.move(plan.source, plan.tier, plan.store)
         return await self.write(plan.tier, [(k, payloads[k]) for k in plan.store])

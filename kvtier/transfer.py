@@ -257,6 +257,13 @@ def _gather_pages(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[i
                 torch.index_select(t, 0, cols[:, j], out=wide_out[:, li, j])
 
 
+def gathered_shape(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], layout: KVLayout
+                   ) -> tuple[int, ...]:
+    """The shape ``gather`` returns for these chunks (``[n_chunks, *payload_shape]``)."""
+    bpc = _check(layers, block_ids, layout)
+    return (len(block_ids), *_payload_shape(layers[0], layout, len(layers), bpc))
+
+
 def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], layout: KVLayout,
            *, out: torch.Tensor | None = None, device: torch.device | str | None = None,
            stream: Any = None) -> torch.Tensor:
@@ -267,10 +274,9 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], l
     layers' device the blocks are copied straight into the result; to another device only one layer's blocks
     are staged on the layers' device at a time, so gathering to host memory costs little device memory.
     """
-    bpc = _check(layers, block_ids, layout)
-    n = len(block_ids)
+    shape = gathered_shape(layers, block_ids, layout)
+    n, bpc = len(block_ids), len(block_ids[0]) if block_ids else 0
     first = layers[0]
-    shape = (n, *_payload_shape(first, layout, len(layers), bpc))
     if out is None:
         out = torch.empty(shape, dtype=first.dtype, device=device if device is not None else first.device)
     elif tuple(out.shape) != shape:

@@ -255,6 +255,8 @@ def tier(**fields: Any) -> dict[str, Any]:
     ({**base(), "policy": {"eviction": "lur"}}, "policy.eviction", "did you mean 'lru'?"),
     ({**base(), "policy": {"write": "write_around"}}, "policy.write", "unknown write policy"),
     ({**base(), "policy": {"promote_on_hit": "sometimes"}}, "policy.promote_on_hit", "true or false"),
+    ({**base(), "policy": {"store_threshold": 0}}, "policy.store_threshold", "at least 1"),
+    ({**base(), "policy": {"save_backlog": "lots"}}, "policy.save_backlog", "size"),
     ({**base(), "placement": {"sliding_windows": ["cpu"]}}, "placement.sliding_windows", "did you mean 'sliding_window'?"),
     ({**base(), "placement": {"sliding_window": ["gpu"]}}, "placement.sliding_window[0]", "no tier named 'gpu'"),
     ({**base(), "placement": {"mamba": ["cpu", "cpu"]}}, "placement.mamba[1]", "listed twice"),
@@ -368,12 +370,14 @@ def test_to_dict_round_trip_of_every_option() -> None:
                    "compression": "lz4"},
                   {"name": "r", "kind": "redis", "capacity": "4GiB", "url": "rediss://h:1/3", "ttl": "90m",
                    "timeout_ms": 25, "connect_timeout": "2s", "username": "u", "tls_ca": "/ca.pem"}],
-        "policy": {"eviction": "arc", "write": "write_through", "promote_on_hit": False},
+        "policy": {"eviction": "arc", "write": "write_through", "promote_on_hit": False, "store_threshold": 2,
+                   "save_backlog": "64MiB"},
         "placement": {"full_attention": ["g", "c", "d", "r"], "mla": ["c"]},
         "save_partial_chunks": True, "security": {"hmac_key_env": "KVTIER_HMAC_KEY"},
     }, env={})
     plain = cfg.to_dict()
     assert plain["tiers"][3]["timeout"] == 0.025 and plain["tiers"][3]["ttl"] == 5400.0
-    assert plain["policy"] == {"eviction": "arc", "write": "write_through", "promote_on_hit": False}
+    assert plain["policy"] == {"eviction": "arc", "write": "write_through", "promote_on_hit": False,
+                               "store_threshold": 2, "save_backlog": 64 << 20}
     again = load_config(yaml.safe_load(yaml.safe_dump(plain)), env={})
     assert again == cfg and isinstance(again, KvtierConfig)

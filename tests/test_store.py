@@ -196,3 +196,22 @@ async def test_failing_plan_completes_and_later_plans_run() -> None:
     got = await store.get([third[0][0]])
     assert got[0] is not None and torch.equal(got[0], third[0][1])
     await store.close()
+
+
+async def test_a_skipped_save_runs_its_evictions_and_completes_as_not_stored() -> None:
+    """``execute(skip_writes=True)``: what the worker runs for saves past its backlog."""
+    cpu = CpuTier(CpuTierConfig(name="cpu", capacity=2 * NBYTES, slot_bytes=NBYTES))
+    store = TieredStore([cpu])
+    await store.start()
+    old, new = chunks(1), chunks(1, seed=300)
+    assert await store.put(old) == 1
+    store.directory.remove("cpu", [old[0][0]])  # the directory chose it as a victim: its room counts as free
+    plans = store.directory.prepare_store("cpu", [(new[0][0], NBYTES, None)])
+    plans = [type(p)(p.tier, p.store, (old[0][0],), p.source) for p in plans]
+    failed: list[tuple[str, bytes]] = []
+    assert await store.execute(plans, dict(new), failed, skip_writes=True) == {"cpu": 0}
+    assert failed == [("cpu", new[0][0])]
+    assert cpu.used_bytes() == 0  # the eviction ran; nothing was written
+    assert not store.directory.contains("cpu", new[0][0])  # completed as not stored, not left pending
+    assert (await store.get([new[0][0]])) == [None]
+    await store.close()

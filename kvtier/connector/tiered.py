@@ -180,7 +180,7 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
                                                   hmac_key=hmac_key(cfg))
             self._loop.run(self._store.start())
         worker = WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size,
-                            strict=cfg.strict)
+                            strict=cfg.strict, max_backlog=cfg.policy.save_backlog)
         blocker = weights_blocker(ident.fingerprint)
         if blocker is not None:  # this rank cannot key its shards: it serves and stores nothing
             worker.disable(blocker)
@@ -219,6 +219,10 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         self._work().handle_preemptions()
+
+    def flush_saves(self) -> None:
+        """Wait (bounded) until every save handed to this worker is done: for shutdown, tests and benchmarks."""
+        self._work().flush()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished(finished_req_ids)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,13 +33,15 @@ from kvtier.connector.counters import GroupLoad, WorkerCounters
 from kvtier.connector.keying import Identity, namespaces, rank_key
 from kvtier.connector.plans import DISABLED, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.connector.registration import derive_config, group_tensors
+from kvtier.connector.saving import MAX_BACKLOG, SaveJob, SaveQueue
 from kvtier.directory import StorePlan
 from kvtier.errors import ConnectorError
 from kvtier.keys import Key
 from kvtier.layout import KVCacheConfig
 from kvtier.pages import kernel_ids
 from kvtier.runtime import LoopThread
-from kvtier.transfer import NULL_BLOCK, KVLayout, gather, scatter
+from kvtier.tiers.recycle import Recycler
+from kvtier.transfer import NULL_BLOCK, KVLayout, gather, gathered_shape, scatter
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +57,7 @@ WAIT_TIMEOUT_S = 5.0  # longest blocking wait of the engine's thread on the I/O 
 ASYNC_LOAD_TIMEOUT_S = 30.0  # an asynchronous load that takes longer fails (its blocks become load errors)
 IDLE_WAIT_S = 0.02  # in a step that computes nothing, wait this long at most for a pending async load
 CANCEL_GRACE_S = 1.0  # extra wait for a timed-out coroutine to unwind (release what it borrowed)
+SAVE_BUFFERS_IDLE = 256 << 20  # idle gather buffers kept for reuse
 
 
 def _done(value: T) -> concurrent.futures.Future[T]:
@@ -67,7 +71,7 @@ class WorkerHalf:
 
     def __init__(self, kcc: KVCacheConfig | None, store: TieredStore, loop: LoopThread, *,
                  identity: Identity | None = None, chunk_size: int = 256, layout: KVLayout | None = None,
-                 strict: bool = False) -> None:
+                 strict: bool = False, max_backlog: int = MAX_BACKLOG) -> None:
         self.kcc = kcc
         self.store = store
         self._loop = loop
@@ -78,6 +82,7 @@ class WorkerHalf:
         self._layers: list[list[torch.Tensor]] = []
         self._layouts: list[KVLayout] = []
         self._ratios: list[int] = []  # kernel blocks per scheduler block, per group
+        self._chunk_nbytes: dict[int, int] = {}  # payload bytes of one chunk, per group (computed on first use)
         self.strict = strict
         self._idle = False  # the current step computes no token (see get_finished)
         self.disabled: str | None = None  # why kvtier serves nothing in this engine (see register_kv_caches)
@@ -86,8 +91,9 @@ class WorkerHalf:
         self._saves: dict[str, list[concurrent.futures.Future[None]]] = {}
         self._finished: set[str] = set()
         self._errors: set[int] = set()
-        self._save_lock = asyncio.Lock()
         self._stats = WorkerCounters()
+        self._queue = SaveQueue(store, self._stats, self._report_failed, max_backlog)
+        self._buffers = Recycler(SAVE_BUFFERS_IDLE)
         self.wait_timeout_s = WAIT_TIMEOUT_S
         self.async_load_timeout_s = ASYNC_LOAD_TIMEOUT_S
 
@@ -271,8 +277,11 @@ class WorkerHalf:
 
     # ---- saves -----------------------------------------------------------------------------------------
     def wait_for_save(self) -> None:
-        """Gather this step's save chunks now; write them to memory tiers at once when nothing is queued ahead
-        (a copy, no I/O to hide), else in the background in step order."""
+        """Gather this step's save chunks now (the blocks are free to reuse once it returns) and hand them to the
+        I/O loop in one job; write them to memory tiers at once when nothing is queued ahead (a copy, no I/O
+        to hide), else in the background in step order. Saves that would take the backlog of queued, unwritten
+        bytes past ``max_backlog`` are skipped (``save_skipped_busy``): their evictions still run, and the
+        scheduler forgets their chunks."""
         meta, self._meta = self._meta, None
         if meta is None or not meta.saves:
             return
@@ -281,20 +290,39 @@ class WorkerHalf:
                 self._report_failed(spec)
                 self._saves.setdefault(spec.req_id, []).append(_done(None))
             return
+        kept, skipped = self._queue.admit(meta.saves, self._chunk_bytes)
         t0 = time.perf_counter()
-        payloads = self._gather(meta.saves)
+        payloads = self._gather(kept)
         self._stats.add(save_gather_seconds=time.perf_counter() - t0)
-        for spec in meta.saves:
+        jobs = [SaveJob(spec, [self._plan(spec.group, p) for p in spec.plans], None) for spec in skipped]
+        for spec in kept:
             if any((spec.group, k) not in payloads for k in spec.keys):  # its group's gather failed
                 self._report_failed(spec)
                 self._saves.setdefault(spec.req_id, []).append(_done(None))
                 continue
             items = {self._key(spec.group, k): payloads[(spec.group, k)] for k in spec.keys}
-            plans = [self._plan(spec.group, p) for p in spec.plans]
-            future = self._loop.submit(self._execute(spec, plans, items))
-            if self._memory_only(plans) and not self._saving():
-                self._bound_saves([future])
-            self._saves.setdefault(spec.req_id, []).append(future)
+            jobs.append(SaveJob(spec, [self._plan(spec.group, p) for p in spec.plans], items))
+        if not jobs:
+            return
+        sync = all(self._memory_only(job.plans) for job in jobs) and not self._saving()
+        future = self._queue.submit(self._loop, jobs)
+        if sync:
+            self._bound_saves([future])
+        for job in jobs:
+            self._saves.setdefault(job.spec.req_id, []).append(future)
+
+    def _chunk_bytes(self, group: int) -> int:
+        """Payload bytes of one chunk of ``group`` (0 for a group this worker holds no tensors of)."""
+        known = self._chunk_nbytes.get(group)
+        if known is not None:
+            return known
+        if self.kcc is None or group >= len(self._layers) or not self._layers[group]:
+            return 0
+        layers = self._layers[group]
+        per_chunk = self._chunk_size // self.kcc.kv_cache_groups[group].kv_cache_spec.block_size
+        shape = gathered_shape(layers, self._kernel(group, [tuple(range(1, per_chunk + 1))]), self._layouts[group])
+        self._chunk_nbytes[group] = math.prod(shape) * layers[0].element_size()
+        return self._chunk_nbytes[group]
 
     def _memory_only(self, plans: Sequence[StorePlan]) -> bool:
         return all(p.source is None and self.store.tier(p.tier).is_memory for p in plans)
@@ -303,7 +331,8 @@ class WorkerHalf:
         return any(not f.done() for futures in self._saves.values() for f in futures)
 
     def _gather(self, saves: Sequence[SaveSpec]) -> dict[tuple[int, Key], torch.Tensor]:
-        """One batched gather per group over every chunk any request saves this step."""
+        """One batched gather per group over every chunk any request saves this step, into recycled host
+        buffers (a fresh allocation per step is first touched at a fraction of memory speed on VMs)."""
         per_group: dict[int, tuple[list[Key], list[tuple[int, ...]]]] = {}
         for spec in saves:
             keys, blocks = per_group.setdefault(spec.group, ([], []))
@@ -316,31 +345,16 @@ class WorkerHalf:
             layers = self._layers[group]
             try:
                 # host copies: a step's saves must not hold device memory while tiers write them
-                data = gather(layers, self._kernel(group, blocks), self._layouts[group],
-                              device="cpu" if layers[0].is_cuda else None)
+                ids = self._kernel(group, blocks)
+                shape = gathered_shape(layers, ids, self._layouts[group])
+                buffer = self._buffers.take(math.prod(shape) * layers[0].element_size())
+                data = gather(layers, ids, self._layouts[group], out=buffer.view(layers[0].dtype).view(shape))
             except (ValueError, RuntimeError, IndexError) as exc:  # a save is never worth an engine failure
                 logger.warning("saving %d chunk(s) of group %d failed: %r", len(keys), group, exc)
                 self._stats.add(save_failures=len(keys))
                 continue
             out.update(((group, k), data[i]) for i, k in enumerate(keys))
         return out
-
-    async def _execute(self, spec: SaveSpec, plans: Sequence[StorePlan], items: Mapping[Key, torch.Tensor]) -> None:
-        async with self._save_lock:  # plans run in step order: an eviction never overtakes an earlier write
-            t0 = time.perf_counter()
-            failed: list[tuple[str, Key]] = []
-            try:
-                stored = await self.store.execute(plans, items, failed)
-            except Exception as exc:  # a failed save is a future miss, never an engine failure
-                logger.warning("save failed: %r", exc)
-                self._stats.add(save_failures=len(items))
-                self._report_failed(spec)
-                return
-            if failed:
-                self._report_failed(spec, plans, failed)
-            nbytes = sum(t.numel() * t.element_size() for t in items.values())
-            self._stats.add(save_chunks=sum(stored.values()), save_bytes=nbytes,
-                            save_seconds=time.perf_counter() - t0)
 
     def _report_failed(self, spec: SaveSpec, plans: Sequence[StorePlan] | None = None,
                        failed: Sequence[tuple[str, Key]] = ()) -> None:
@@ -359,9 +373,16 @@ class WorkerHalf:
         self._stats.fail(rows)
 
     def handle_preemptions(self) -> None:
-        """Wait until every pending save is done (the preempted blocks are about to be reused)."""
+        """Gather the saves a step left unflushed, so that preempted blocks may be reused. A save copies its
+        blocks out when it is gathered, so writes still in flight read no engine block and go on. (vLLM calls
+        this before every step: waiting here for the writes, as kvtier once did, made every disk save block the
+        next step, 30-40 ms per 600-token request.)"""
         if self._meta is not None and self._meta.saves:
             self.wait_for_save()
+
+    def flush(self) -> None:
+        """Gather unflushed saves and wait (at most ``wait_timeout_s``) until every pending save is done."""
+        self.handle_preemptions()
         self._bound_saves([f for futures in self._saves.values() for f in futures])
 
     def _bound_saves(self, futures: Sequence[concurrent.futures.Future[None]]) -> None:
@@ -377,16 +398,16 @@ class WorkerHalf:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose saves are done and that have finished, requests whose async loads are done).
 
-        In a step that computes no token (the engine only waits for loads) it blocks up to ``IDLE_WAIT_S`` for
-        the first pending load: an engine loop spinning through empty steps holds the GIL and leaves the I/O
-        threads a slice every few milliseconds (measured in vLLM's CPU engine: a 1 MiB disk load took 60-90 ms
-        that way, 4 ms with the wait)."""
+        In a step that computes no token (the engine only waits for loads, or for blocks that finished requests
+        hold until their saves are written) it blocks up to ``IDLE_WAIT_S`` for the first of them: an engine loop
+        spinning through empty steps holds the GIL and a core, and leaves the I/O threads a slice every few
+        milliseconds (measured in vLLM's CPU engine: a 1 MiB disk load took 60-90 ms that way, 4 ms with the
+        wait; a replay whose engine ran out of blocks waited seconds for low-priority writes)."""
         idle = self._idle
         if self._meta is not None and self._meta.saves:
             self.wait_for_save()  # steps without a forward pass skip wait_for_save
-        pending = [future for _, future in self._recving.values()]
-        if idle and pending and not any(f.done() for f in pending):
-            concurrent.futures.wait(pending, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
+        if idle:
+            self._wait_idle(finished_req_ids)
         recving: set[str] = set()
         for req_id, (specs, future) in list(self._recving.items()):
             if not future.done():
@@ -407,6 +428,17 @@ class WorkerHalf:
                 self._finished.discard(req_id)
                 del self._saves[req_id]
         return sending or None, recving or None
+
+    def _wait_idle(self, finished_req_ids: set[str]) -> None:
+        """In a step that computes nothing, block up to ``IDLE_WAIT_S`` for the first pending async load or the
+        first pending save of a finished request (whose blocks the engine may be waiting for): the engine's
+        thread sleeps instead of spinning, and kvtier's threads, the background writers at the lowest priority
+        included, get the cores."""
+        pending: list[concurrent.futures.Future[Any]] = [future for _, future in self._recving.values()]
+        for req_id in self._finished | (finished_req_ids & self._saves.keys()):
+            pending.extend(self._saves[req_id])
+        if pending and not any(f.done() for f in pending):
+            concurrent.futures.wait(pending, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

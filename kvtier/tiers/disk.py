@@ -23,6 +23,7 @@ The index is only touched on the event loop thread, so it needs no lock.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -33,6 +34,7 @@ from kvtier.codec import HEADER_SIZE, MAC_BYTES
 from kvtier.config import DiskTierConfig, TierConfig
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.keys import Key
+from kvtier.runtime import background_thread
 from kvtier.tiers.base import Tier, TierEntry, Timer
 from kvtier.tiers.disk_index import DIR_MODE, Layout, scan
 from kvtier.tiers.disk_io import (
@@ -63,6 +65,7 @@ class DiskTier(Tier):
         self._used = 0
         self._reserved = 0
         self._writing: dict[Key, asyncio.Future[None]] = {}
+        self._writer_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # read buffers reuse the memory of results callers dropped (fresh memory is slow on some VMs)
         self._buffers = Recycler(min(section.capacity, DEFAULT_MAX_IDLE))
         self._nowait = NOWAIT_FLAGS != 0  # the page-cache pass of ``get``; off where the file system refuses it
@@ -107,6 +110,9 @@ class DiskTier(Tier):
         """Wait for writes in flight; free idle read buffers. Idempotent."""
         while self._writing:
             await asyncio.gather(*self._writing.values(), return_exceptions=True)
+        if self._writer_pool is not None:
+            self._writer_pool.shutdown(wait=False)
+            self._writer_pool = None
         self._buffers.clear()
 
     def used_bytes(self) -> int:
@@ -239,42 +245,81 @@ class DiskTier(Tier):
         self._used -= self._index.pop(key, 0)
 
     async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
-        """Write records; ``puts`` counts written ones, ``puts_refused`` the ones over quota."""
+        """Write records; ``puts`` counts written ones, ``puts_refused`` the ones over quota.
+
+        The records of one call are written one after another by a single worker-thread call: on a few cores,
+        one writer per record (threads handing the GIL and the cores back and forth) slowed the engine that
+        produced them, and page-cache writes gain nothing from more threads."""
         with Timer(self._stats, "put_seconds"):
-            return list(await asyncio.gather(*(self._put_one(k, t) for k, t in items)))
+            if len({k for k, _ in items}) != len(items):  # a key twice: one by one, in order
+                return [await self._put_batch([item]) == [True] for item in items]
+            return await self._put_batch(items)
+
+    async def _put_batch(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
+        for key, _ in items:
+            await self._wait_writing(key)
+        done = [False] * len(items)
+        accepted = [i for i, (key, tensor) in enumerate(items) if self._reserve(key, tensor)]
+        if not accepted:
+            return done
+        loop = asyncio.get_running_loop()
+        waits = {items[i][0]: loop.create_future() for i in accepted}
+        self._writing.update(waits)
+        try:
+            batch = [items[i] for i in accepted]
+            sizes = await loop.run_in_executor(self._writer(), self._write_many, batch)
+        finally:  # cancelled or not, the reservations end and waiters go on
+            for i in accepted:
+                key, tensor = items[i]
+                self._reserved -= self.stored_size(tensor.numel() * tensor.element_size())
+                del self._writing[key]
+                waits[key].set_result(None)
+        for i, size in zip(accepted, sizes, strict=True):
+            done[i] = self._settle_write(items[i], size)
+        return done
+
+    def _writer(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one thread that writes this tier's records, at background priority (``runtime.background_thread``)."""
+        if self._writer_pool is None:
+            self._writer_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"kvtier-disk-{self.name}", initializer=background_thread)
+        return self._writer_pool
 
     async def _wait_writing(self, key: Key) -> None:
         while (pending := self._writing.get(key)) is not None:
             await asyncio.shield(pending)
 
-    async def _put_one(self, key: Key, tensor: torch.Tensor) -> bool:
-        await self._wait_writing(key)
-        nbytes = tensor.numel() * tensor.element_size()
-        need = self.stored_size(nbytes)
+    def _reserve(self, key: Key, tensor: torch.Tensor) -> bool:
+        need = self.stored_size(tensor.numel() * tensor.element_size())
         if self._used - self._index.get(key, 0) + self._reserved + need > self.capacity_bytes:
             self._stats.puts_refused += 1
             return False
         self._reserved += need
-        done = asyncio.get_running_loop().create_future()
-        self._writing[key] = done
-        try:
-            size = await asyncio.to_thread(write_record, self.layout, key, tensor, self.section.compression,
-                                           self.hmac_key, self.section.fsync)
-        except OSError as exc:
-            log.warning("disk tier %s: write of %s dropped: %s", self.name, key.hex(), exc)
+        return True
+
+    def _write_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[int | OSError]:
+        """Write each record (blocking, in a worker thread); its file size, or the OSError that dropped it."""
+        out: list[int | OSError] = []
+        for key, tensor in items:
+            try:
+                out.append(write_record(self.layout, key, tensor, self.section.compression, self.hmac_key,
+                                        self.section.fsync))
+            except OSError as exc:
+                out.append(exc)
+        return out
+
+    def _settle_write(self, item: tuple[Key, torch.Tensor], size: int | OSError) -> bool:
+        key, tensor = item
+        if isinstance(size, OSError):
+            log.warning("disk tier %s: write of %s dropped: %s", self.name, key.hex(), size)
             self._stats.errors += 1
             return False
-        else:
-            self._forget(key)
-            self._index[key] = size
-            self._used += size
-            self._stats.puts += 1
-            self._stats.bytes_in += nbytes
-            return True
-        finally:
-            self._reserved -= need
-            del self._writing[key]
-            done.set_result(None)
+        self._forget(key)
+        self._index[key] = size
+        self._used += size
+        self._stats.puts += 1
+        self._stats.bytes_in += tensor.numel() * tensor.element_size()
+        return True
 
     async def delete(self, keys: Sequence[Key]) -> int:
         """Remove record files (also ones another process wrote); return how many existed."""

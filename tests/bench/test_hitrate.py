@@ -224,7 +224,7 @@ def test_mooncake_reference_numbers() -> None:
 
 def test_bench_registry_and_missing_benchmark(monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    assert set(bench_cli.BENCHMARKS) == {"hit-rate", "throughput", "ttft", "overhead", "vllm", "vllm-overhead",
+    assert set(bench_cli.BENCHMARKS) == {"hit-rate", "throughput", "ttft", "overhead", "vllm", "vllm-overhead", "vllm-replay",
                                         "fingerprint"}
     monkeypatch.setitem(bench_cli.BENCHMARKS, "ttft", ("kvtier.bench.not_written_yet", "later"))
     assert main(["bench", "ttft"]) == 2

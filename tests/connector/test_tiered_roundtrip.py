@@ -70,7 +70,7 @@ def save_request_a(sched: KVTierConnector, work: KVTierConnector) -> None:
     sched.update_state_after_alloc(a, KVCacheBlocks(A_BLOCKS), 0)
     step(sched, work, new_req(a, A_BLOCKS, 0))
     assert sched.request_finished_all_groups(a, A_BLOCKS) == (True, None)
-    work.handle_preemptions(None)  # flush: every save of A is done
+    work.flush_saves()  # every save of A is done
     out = step(sched, work, SchedulerOutput(finished_req_ids={"A"}))
     assert out.finished_sending == {"A"}
 
@@ -178,7 +178,7 @@ def test_write_back_demotes_to_disk_and_loads_from_both(tmp_path: Path) -> None:
         meta_out = new_req(a, (A_BLOCKS[0],), 0)
         step(sched, work, meta_out)
         assert sched.request_finished(a, A_BLOCKS[0]) == (True, None)
-        work.handle_preemptions(None)
+        work.flush_saves()
         assert step(sched, work, SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
         b = Request("B", B_TOKENS)
         assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)  # part of it now lives on disk
@@ -228,7 +228,7 @@ def test_tensor_parallel_ranks_keep_their_disk_records_apart(tmp_path: Path) -> 
             w.start_load_kv(None)
             w.wait_for_save()
             w.clear_connector_metadata()
-            w.handle_preemptions(None)  # flush: every save of A is done
+            w.flush_saves()  # every save of A is done
     finally:
         sched.shutdown()
         for w in workers:
@@ -285,7 +285,7 @@ def test_a_save_the_worker_could_not_store_is_forgotten_by_the_scheduler(tmp_pat
         sched.update_state_after_alloc(a, KVCacheBlocks(A_BLOCKS), 0)
         outs = [step(sched, work, new_req(a, A_BLOCKS, 0))]
         assert sched.request_finished_all_groups(a, A_BLOCKS) == (True, None)
-        work.handle_preemptions(None)
+        work.flush_saves()
         outs.append(step(sched, work, SchedulerOutput(finished_req_ids={"A"})))
         assert outs[-1].finished_sending == {"A"}
         reported = [row for out in outs if out.kv_connector_stats is not None
@@ -368,7 +368,7 @@ def test_a_chunk_is_forgotten_only_when_every_tensor_parallel_rank_failed_it(tmp
         assert len(saved) == 2 * 5
         assert sched.request_finished_all_groups(a, A_BLOCKS) == (True, None)
         for w in workers:
-            w.handle_preemptions(None)
+            w.flush_saves()
         outs.append(run_tp_step(sched, workers, SchedulerOutput(finished_req_ids={"A"}), sending))
         assert outs[-1].finished_sending == {"A"}
         rows = [row for out in outs if out.kv_connector_stats is not None

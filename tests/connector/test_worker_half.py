@@ -88,7 +88,7 @@ def save_a(eng: Engine) -> KVConnectorOutput:
     eng.sched.get_num_new_matched_tokens(a, 0)
     eng.run_prefill(a, A_IDS)
     eng.sched.request_finished(a, A_IDS)
-    eng.work.handle_preemptions(None)
+    eng.work.flush_saves()
     return eng.step(SchedulerOutput(finished_req_ids={"A"}))
 
 
@@ -173,7 +173,7 @@ def test_finished_sending_waits_for_finish_and_saves(tmp_path: Path) -> None:
         assert out.finished_sending is None  # saves may be done, but A has not finished
         assert out.kv_connector_stats is not None
         assert eng.sched.request_finished(a, A_IDS) == (True, None)
-        eng.work.handle_preemptions(None)
+        eng.work.flush_saves()
         assert eng.step(SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
         assert eng.step(SchedulerOutput()).finished_sending is None  # reported once
     finally:
@@ -186,7 +186,7 @@ def test_saves_of_a_step_without_forward_run_at_get_finished(tmp_path: Path) -> 
         a = Request("A", TOKENS)
         eng.sched.get_num_new_matched_tokens(a, 0)
         eng.run_prefill(a, A_IDS, save=False)
-        eng.work.handle_preemptions(None)
+        eng.work.flush_saves()
         eng.sched.request_finished(a, A_IDS)
         assert eng.step(SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
         assert eng.sched.get_num_new_matched_tokens(Request("B", TOKENS), 0) == (4 * C, False)
@@ -206,7 +206,7 @@ def test_metadata_and_stats_pickle(tmp_path: Path) -> None:
         eng.work.bind_connector_metadata(meta)
         eng.work.start_load_kv(None)
         eng.work.wait_for_save()
-        eng.work.handle_preemptions(None)
+        eng.work.flush_saves()
         stats = eng.work.get_kv_connector_stats()
         assert stats is not None and stats.data["save_chunks"] == 5
         assert pickle.loads(pickle.dumps(stats)).data == stats.data

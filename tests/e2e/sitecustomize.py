@@ -27,9 +27,11 @@ def _patch(scheduler_cls: Any, path: str) -> None:
 
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
-        rows = [{"new": r.req_id, "prompt": prompt_hash(r.prompt_token_ids or [])} for r in out.scheduled_new_reqs]
+        pid = os.getpid()
+        rows = [{"new": r.req_id, "prompt": prompt_hash(r.prompt_token_ids or []), "pid": pid}
+                for r in out.scheduled_new_reqs]
         if out.num_scheduled_tokens:
-            rows.append({"step": dict(out.num_scheduled_tokens)})
+            rows.append({"step": dict(out.num_scheduled_tokens), "pid": pid})
         if rows:
             with open(path, "a") as f:
                 f.write("".join(json.dumps(row) + "\n" for row in rows))

@@ -431,3 +431,38 @@ async def test_a_tier_at_a_shared_path_leaves_the_rank_directories_alone(tmp_pat
     assert list(bare.entries()) == [] and bare.used_bytes() == 0
     assert sorted(p.relative_to(tmp_path) for p in record_files(tmp_path / "tp1-of-2")) == before
     assert_same((await rank.get([key(2)]))[0], rand((100,), seed=2))
+
+
+async def test_one_put_writes_its_records_in_one_background_thread_and_a_failed_one_drops_alone(
+        tmp_path: Path) -> None:
+    """A batch goes to the tier's single writer thread (nice 19, so that the engine's threads run first); an
+    OSError on one record (its shard directory is a file here) drops that record only."""
+    import threading
+
+    tier = await disk(tmp_path / "d")
+    keys = [key(i) for i in range(5)]
+    values = [rand((64,), seed=i) for i in range(5)]
+    blocked = Path(tier.layout.path(keys[2])).parent
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_bytes(b"not a directory")
+    assert await tier.put(list(zip(keys, values, strict=True))) == [True, True, False, True, True]
+    assert tier.stats().errors == 1 and tier.stats().puts == 4
+    got = await tier.get(keys)
+    assert got[2] is None
+    for g, v in zip(got[:2] + got[3:], values[:2] + values[3:], strict=True):
+        assert_same(g, v)
+    writers = [t for t in threading.enumerate() if t.name.startswith("kvtier-disk-disk")]
+    assert len(writers) == 1
+    if sys.platform == "linux":
+        assert os.getpriority(os.PRIO_PROCESS, writers[0].native_id or 0) == 19
+    await tier.close()
+
+
+async def test_a_key_twice_in_one_put_keeps_the_last_value(tmp_path: Path) -> None:
+    tier = await disk(tmp_path / "d")
+    first, last = rand((64,), seed=1), rand((64,), seed=2)
+    assert await tier.put([(key(1), first), (key(1), last)]) == [True, True]
+    got = await tier.get([key(1)])
+    assert_same(got[0], last)
+    assert tier.used_bytes() == tier.stored_size(last.numel() * last.element_size())
+    await tier.close()

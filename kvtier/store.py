@@ -235,12 +235,16 @@ class TieredStore:
         plans' evictions run (the directory has already counted their room as free); every write and move is
         completed as not stored (a save the worker chose to drop)."""
         stored: dict[str, int] = {}
-        for plan in plans:
+        for i, plan in enumerate(plans):
             try:
                 ok = await (self._evict_only(plan) if skip_writes else self._run_plan(plan, payloads))
             except Exception:
                 logger.exception("store plan for tier %s failed (%d keys)", plan.tier, len(plan.store))
                 ok = [False] * len(plan.store)
+            except BaseException:  # cancelled (a bounded wait gave up): no key of this or later plans stays PENDING
+                for rest in plans[i:]:
+                    self.directory.complete_store(rest.tier, rest.store, [False] * len(rest.store))
+                raise
             else:
                 stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)
             self.directory.complete_store(plan.tier, plan.store, ok)

@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
 
 
+def model_kv_bytes_per_token(layers: int, hidden: int) -> int:
+    """KV bytes per token of the model ``make_model`` builds: K and V of ``hidden // 128`` heads of 64, float32."""
+    return 2 * max(1, hidden // 128) * 64 * 4 * layers
+
+
 def make_model(root: str, layers: int, hidden: int) -> str:
     """A Llama with random weights ~ N(0, 0.2) saved under ``root`` (no tokenizer, no hub)."""
     import torch
@@ -84,9 +89,10 @@ def _kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None) ->
 
 
 def _transfer(mode: str, config: str | None) -> dict[str, Any] | None:
-    if mode.startswith("kvtier"):
-        return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-                "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config}}
+    if mode.startswith("kvtier") and config is not None:
+        from kvtier.bench.vllm_proc import kvtier_transfer
+
+        return kvtier_transfer(config)
     if mode == "vllm_offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}

@@ -179,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-overhead-")))
         model = args.model or make_model(str(workdir), layers, hidden)
         redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
-        env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
-               **extra}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **extra,
+               **ENV}  # ENV last: the benchmark drives the engine in-process
         engines = []
         for mode in args.modes:
             config = (kvtier_yaml(workdir / f"{mode}.yaml", mode, args.chunk, workdir, redis_url, args.policy)

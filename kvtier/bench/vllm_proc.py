@@ -75,8 +75,7 @@ def _external_tokens(llm: Any) -> list[int]:
     """A one-item list that adds up the tokens the scheduler's connector is asked to load (kvtier's hits), from
     ``update_state_after_alloc`` (requests run one at a time: the caller reads and resets it per request)."""
     seen = [0]
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    connector = getattr(scheduler, "connector", None)
+    connector = getattr(_scheduler(llm), "connector", None)
     if connector is None:
         return seen
     original = connector.update_state_after_alloc
@@ -106,17 +105,37 @@ def _flush() -> dict[str, Any]:
     return counters
 
 
+def _scheduler(llm: Any) -> Any:
+    """The engine core's scheduler of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler
+    except AttributeError:
+        raise RuntimeError("the benchmark needs vLLM's engine in this process: run with "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size 1") from None
+
+
 def _switch(llm: Any, on: bool) -> bool:
     """Let kvtier's scheduler half plan lookups and saves (``on``) or nothing; False without kvtier."""
-    connector = getattr(llm.llm_engine.engine_core.engine_core.scheduler, "connector", None)
-    impl = getattr(connector, "_impl", None)
+    impl = getattr(getattr(_scheduler(llm), "connector", None), "_impl", None)
     if impl is None:
         return False
     impl._sched().paused = not on
     return True
 
 
-def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer]:
+def _check_kvtier(llm: Any) -> None:
+    """With kvtier configured, both of its halves must be reachable from here, or the benchmark's switches,
+    flushes and counts would silently do nothing."""
+    if getattr(getattr(_scheduler(llm), "connector", None), "_impl", None) is None:
+        raise RuntimeError("kvtier's scheduler half is not in this process")
+    if getattr(_worker_connector(), "_impl", None) is None:
+        raise RuntimeError("kvtier's worker half is not in this process (tensor parallelism or a separate "
+                           "engine core process?)")
+
+
+def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer, list[float]]:
+    """The engine, its step times, the hook timer, and a one-item list holding the end of the first step that
+    gave a request its first token (set per request by ``timed_step``; the caller resets it)."""
     from vllm import LLM
 
     hooks = HookTimer()
@@ -131,18 +150,25 @@ def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer]:
         hooks.install(KVTierConnector)
         kw["kv_transfer_config"] = kvtier_transfer(spec["kvtier_config"])
     llm = LLM(**kw)
+    if spec.get("kvtier_config"):
+        _check_kvtier(llm)
+    scheduler = _scheduler(llm)
     engine = llm.llm_engine
     steps: list[float] = []
+    first_token = [0.0]
     step = engine.step
 
     def timed_step() -> Any:
         t = time.perf_counter()
         out = step()
-        steps.append(time.perf_counter() - t)
+        end = time.perf_counter()
+        steps.append(end - t)
+        if not first_token[0] and any(r.num_output_tokens for r in scheduler.running):
+            first_token[0] = end  # an async load's empty steps and a chunked prefill's first steps gave none
         return out
 
     engine.step = timed_step  # type: ignore[method-assign]
-    return llm, steps, hooks
+    return llm, steps, hooks, first_token
 
 
 def serve(spec_path: str) -> None:
@@ -150,7 +176,7 @@ def serve(spec_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm, steps, hooks = _build(json.loads(Path(spec_path).read_text()))
+    llm, steps, hooks, first_token = _build(json.loads(Path(spec_path).read_text()))
     external = _external_tokens(llm)
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
@@ -164,12 +190,13 @@ def serve(spec_path: str) -> None:
         params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, detokenize=False)
         steps.clear()
         hooks.seconds = 0.0
-        external[0] = 0
+        external[0] = first_token[0] = 0
         cpu0, t = kvtier_thread_seconds(), time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)
         seconds = time.perf_counter() - t
         out = outs[0]
-        print(json.dumps({"seconds": seconds, "ttft_s": steps[0] if steps else seconds, "step_s": steps,
+        ttft = first_token[0] - t if first_token[0] else seconds
+        print(json.dumps({"seconds": seconds, "ttft_s": ttft, "step_s": steps,
                           "cached": int(out.num_cached_tokens or 0), "external": external[0],
                           "tokens": list(out.outputs[0].token_ids), "hook_s": hooks.seconds,
                           "kvtier_thread_s": kvtier_thread_seconds() - cpu0}), flush=True)
@@ -213,8 +240,9 @@ class Engine:
         return self.send({"prompt": prompt, "max_tokens": max_tokens})
 
     def switch(self, on: bool) -> None:
-        """Turn kvtier's work on or off in this engine (no-op without kvtier)."""
-        self.send({"kvtier": on})
+        """Turn kvtier's work on or off in this engine."""
+        if not self.send({"kvtier": on}).get("kvtier"):
+            raise RuntimeError(f"engine {self.mode}: kvtier cannot be switched there")
 
     def flush(self) -> dict[str, Any]:
         counters: dict[str, Any] = self.send({"flush": True}).get("counters", {})

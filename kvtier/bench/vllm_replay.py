@@ -41,17 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.hitrate import DEFAULT_TRACE
-from kvtier.bench.vllm_engine import make_model
+from kvtier.bench.vllm_engine import make_model, model_kv_bytes_per_token
 from kvtier.bench.vllm_proc import ENV, Engine, serve
 
 HELP = "a real trace through vLLM's CPU engine with too little KV memory: its prefix cache alone vs + kvtier"
 MODES = ("prefix", "prefix_control", "kvtier_cpu", "kvtier_cpu_disk", "kvtier_reuse2")
 BLOCK = 32  # the engine's block size (tokens)
-
-
-def kv_bytes_per_token(layers: int, hidden: int) -> int:
-    """KV bytes per token of the model ``make_model`` builds: K and V, ``hidden // 128`` heads of 64, float32."""
-    return 2 * max(1, hidden // 128) * 64 * 4 * layers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,7 +182,7 @@ def _print(summary: dict[str, Any]) -> None:
               f"{row['kvtier_hit_rate'] * 100:8.1f} {row.get('same_tokens_as_prefix', '-'):>5}")
 
 
-def _plot(summary: dict[str, Any]) -> Any:
+def _plot(summary: dict[str, Any], settings: dict[str, Any]) -> Any:
     def plot(path: Path) -> Path | None:
         try:
             import matplotlib
@@ -211,7 +206,8 @@ def _plot(summary: dict[str, Any]) -> Any:
         right.legend(fontsize=8)
         for ax in (left, right):
             ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-        fig.suptitle("Mooncake conversation trace through vLLM's CPU engine, KV memory 10% of the working set")
+        fig.suptitle(f"{settings['requests']} Mooncake requests through vLLM's CPU engine, KV memory "
+                     f"{settings['memory']:.0%} of the working set")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -235,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     ws_tokens = working_set_tokens(prompts, args.block_tokens)
     one_request = math.ceil((args.max_prompt + args.output_tokens) / BLOCK) + 2
     blocks = max(math.ceil(ws_tokens * args.memory / BLOCK), one_request)
-    tier_bytes = int(blocks * BLOCK * kv_bytes_per_token(layers, hidden) * args.tier_memory)
+    tier_bytes = int(blocks * BLOCK * model_kv_bytes_per_token(layers, hidden) * args.tier_memory)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-replay-")))
         model = make_model(str(workdir), layers, hidden)
@@ -261,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
                 "model": f"random Llama, {layers} layers x {hidden}, float32"}
     raw = {m: [{k: v for k, v in r.items() if k != "tokens"} for r in got] for m, got in rows.items()}
     save_results(args, "vllm_replay", {"settings": settings, "results": summary, "kvtier_counters": counters,
-                                       "raw": raw}, plot=_plot(summary))
+                                       "raw": raw}, plot=_plot(summary, settings))
     return 0
 
 

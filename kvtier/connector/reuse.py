@@ -2,7 +2,9 @@
 
 A chunk's key names its whole prefix, so a count per key says how many requests have shared that prefix. With a
 threshold of N, the scheduler saves a chunk only once N requests have looked it up: a prompt nobody sends twice
-costs no gather, no copy and no write. The counts are bounded: past ``capacity`` keys, the least recently seen
+costs no gather, no copy and no write. A request counts the chunks its lookup covers (all but the one holding
+its last prompt token, and none of its generated tokens): a longer prompt sharing them, such as a conversation's
+next turn, counts those. The counts are bounded: past ``capacity`` keys, the least recently seen
 are forgotten (and start again from zero).
 """
 
@@ -28,7 +30,7 @@ class SeenCounter:
     def add(self, keys: Iterable[Key]) -> None:
         """One more request asked for each of ``keys`` (give each request's keys once)."""
         counts = self._counts
-        for key in keys:
+        for key in reversed(list(keys)):  # a prefix's first chunk ends most recent: roots are forgotten last
             counts[key] = counts.pop(key, 0) + 1
         while len(counts) > self.capacity:
             counts.popitem(last=False)

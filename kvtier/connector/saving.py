@@ -1,13 +1,16 @@
 """The worker's queue of saves: admission against a byte backlog, then one job per step on the I/O loop.
 
 Lifecycle, per engine step (``WorkerHalf.wait_for_save``):
-    admit(saves)    splits the step's saves into kept and skipped: a save that would take the backlog of
-                    queued, unwritten bytes past ``max_backlog`` is skipped (``save_skipped_busy``), so that a
-                    medium slower than the engine never builds an unbounded queue of copies and held blocks
+    admit(saves)    splits the step's saves into kept and skipped: while saves are queued, one that would take
+                    the backlog of unwritten bytes past ``max_backlog`` is skipped (``save_skipped_busy``), and so
+                    are the request's later ones, so that a medium slower than the engine never builds an
+                    unbounded queue of copies and held blocks
     submit(jobs)    after the worker gathered the kept ones: one coroutine on the I/O loop runs the step's jobs
                     in order behind earlier steps' (an eviction never overtakes an earlier write); a skipped
                     job runs only its evictions, and its chunks are reported not stored
-Each job leaves the backlog when it is done, or when its step's future is cancelled (a bounded wait timed out).
+Each job leaves the backlog when it is done, or when its step's future ends (cancelled after a bounded wait, even
+before it ran). A job still running after ``SAVE_TIMEOUT_S`` is abandoned and reported not stored, so that a
+stuck medium never holds a finished request's blocks for longer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier.config import PolicyConfig
 from kvtier.connector.counters import WorkerCounters
 from kvtier.connector.plans import SaveSpec
 from kvtier.directory import StorePlan
@@ -34,7 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_BACKLOG = 256 << 20  # bytes of queued, unwritten saves past which a step's saves are skipped
+MAX_BACKLOG = PolicyConfig.save_backlog  # bytes of queued, unwritten saves past which saves are skipped
+SAVE_TIMEOUT_S = 30.0  # a save job still running then is abandoned and reported not stored (its blocks go free)
 
 ReportFailed = Callable[[SaveSpec, "Sequence[StorePlan] | None", "Sequence[tuple[str, Key]]"], None]
 
@@ -65,6 +70,7 @@ class SaveQueue:
         self._backlog = 0  # bytes of jobs submitted and not yet done
         self._lock = threading.Lock()  # the backlog grows on the engine's thread and shrinks on the I/O loop
         self._order = asyncio.Lock()
+        self.skipped_requests: set[str] = set()  # requests with a skipped save (their later chunks are skipped)
 
     @property
     def backlog(self) -> int:
@@ -73,43 +79,60 @@ class SaveQueue:
 
     def admit(self, saves: Sequence[SaveSpec], chunk_bytes: Callable[[int], int]
               ) -> tuple[list[SaveSpec], list[SaveSpec]]:
-        """This step's saves split into those within the backlog bound and those to skip; ``chunk_bytes(group)``
-        is the payload size of one chunk of the group."""
-        room = self.max_backlog - self.backlog
+        """This step's saves split into those to gather and those to skip; ``chunk_bytes(group)`` is the payload
+        size of one chunk of the group. With nothing queued every save is taken, whatever its size; else a save
+        that would take the backlog past ``max_backlog`` is skipped, and so is every later save of a request
+        once one of its saves was (its later chunks could never be hit without the skipped ones)."""
+        queued = self.backlog
+        room = self.max_backlog - queued
         kept: list[SaveSpec] = []
         skipped: list[SaveSpec] = []
         for spec in saves:
             need = chunk_bytes(spec.group) * len(spec.keys)
-            if need > room and spec.keys:
+            if spec.keys and (spec.req_id in self.skipped_requests or (queued and need > room)):
                 skipped.append(spec)
+                self.skipped_requests.add(spec.req_id)
             else:
                 kept.append(spec)
                 room -= need
         if skipped:
             chunks = sum(len(spec.keys) for spec in skipped)
             self._stats.add(save_skipped_busy=chunks)
-            logger.debug("%d chunk(s) not saved: %d bytes of saves are still queued", chunks, self.backlog)
+            logger.debug("%d chunk(s) not saved: %d bytes of saves are still queued", chunks, queued)
         return kept, skipped
 
+    def forget(self, req_id: str) -> None:
+        """The request has finished and its saves are done: a new request of that id starts afresh."""
+        self.skipped_requests.discard(req_id)
+
     def submit(self, loop: LoopThread, jobs: Sequence[SaveJob]) -> concurrent.futures.Future[None]:
-        """Run the step's ``jobs`` on ``loop`` after every earlier step's; the future of the whole step."""
+        """Run the step's ``jobs`` on ``loop`` after every earlier step's; the future of the whole step. Its bytes
+        count in the backlog until each job is done, or until the future ends (cancelled before it ran, too)."""
+        tally = [sum(job.nbytes for job in jobs)]
         with self._lock:
-            self._backlog += sum(job.nbytes for job in jobs)
-        return loop.submit(self._run(jobs))
+            self._backlog += tally[0]
+        future = loop.submit(self._run(jobs, tally))
+        future.add_done_callback(lambda _: self._release(tally, tally[0]))
+        return future
 
-    async def _run(self, jobs: Sequence[SaveJob]) -> None:
-        left = list(jobs)
-        try:
-            async with self._order:
-                while left:
-                    await self._execute(left[0])
-                    self._unqueue(left.pop(0).nbytes)
-        finally:  # cancelled: what never ran leaves the backlog too
-            self._unqueue(sum(job.nbytes for job in left))
+    async def _run(self, jobs: Sequence[SaveJob], tally: list[int]) -> None:
+        async with self._order:
+            for job in jobs:
+                try:
+                    await asyncio.wait_for(self._execute(job), SAVE_TIMEOUT_S)
+                except TimeoutError:  # a stuck medium: the blocks its request holds must go free
+                    logger.warning("a save of %s did not finish within %.0fs: dropped", job.spec.req_id,
+                                   SAVE_TIMEOUT_S)
+                    self._stats.add(save_timeouts=len(job.spec.keys))
+                    self._report_failed(job.spec, None, ())
+                self._release(tally, job.nbytes)
 
-    def _unqueue(self, nbytes: int) -> None:
+    def _release(self, tally: list[int], nbytes: int) -> None:
+        """Take up to ``nbytes`` of a step's remaining ``tally`` out of the backlog (never twice)."""
         with self._lock:
-            self._backlog -= nbytes
+            n = min(nbytes, tally[0])
+            tally[0] -= n
+            self._backlog -= n
 
     async def _execute(self, job: SaveJob) -> None:
         spec, plans, items = job.spec, job.plans, job.items

@@ -6,16 +6,19 @@ Lifecycle:
     start_load_kv(metadata)               sync loads: borrow views (memory tiers), scatter, release, before
                                           returning;
                                           async loads: reads start on the I/O loop
+    handle_preemptions()                  (vLLM: before every step) gathers saves a step left unflushed;
+                                          never waits for writes
     wait_for_save()                       gather this step's save chunks (the blocks are free to reuse once
-                                          it returns), then evict / demote / write on the I/O loop, in order
+                                          it returns), then evict / demote / write on the I/O loop, in order,
+                                          within a byte backlog (kvtier.connector.saving)
     get_finished(finished_req_ids)        scatter finished async loads; report them (finished_recving) and
                                           requests whose saves are all done and that have finished
     get_block_ids_with_load_errors()      blocks whose chunk could not be read (miss, corrupt, dead tier)
-    handle_preemptions()                  waits for every pending save
-    stats() / close()
+    flush() / stats() / close()           flush waits (bounded) for every pending save
 
-Every wait is bounded (``wait_timeout_s``, async loads ``async_load_timeout_s``): a stuck medium fails the work
-(loads: their blocks become load errors; saves: dropped) and is logged, never hangs the engine.
+Every wait is bounded (``wait_timeout_s``, async loads ``async_load_timeout_s``, a background save
+``saving.SAVE_TIMEOUT_S``): a stuck medium fails the work (loads: their blocks become load errors; saves: dropped,
+reported not stored) and is logged, never hangs the engine.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvtier.keys import Key
 from kvtier.layout import KVCacheConfig
 from kvtier.pages import kernel_ids
 from kvtier.runtime import LoopThread
-from kvtier.tiers.recycle import Recycler
+from kvtier.tiers.recycle import Recycler, size_class
 from kvtier.transfer import NULL_BLOCK, KVLayout, gather, gathered_shape, scatter
 
 if TYPE_CHECKING:
@@ -55,7 +58,7 @@ T = TypeVar("T")
 
 WAIT_TIMEOUT_S = 5.0  # longest blocking wait of the engine's thread on the I/O loop (loads, releases, saves)
 ASYNC_LOAD_TIMEOUT_S = 30.0  # an asynchronous load that takes longer fails (its blocks become load errors)
-IDLE_WAIT_S = 0.02  # in a step that computes nothing, wait this long at most for a pending async load
+IDLE_WAIT_S = 0.02  # in a step that computes nothing, wait this long at most for a pending load or save
 CANCEL_GRACE_S = 1.0  # extra wait for a timed-out coroutine to unwind (release what it borrowed)
 SAVE_BUFFERS_IDLE = 256 << 20  # idle gather buffers kept for reuse
 
@@ -347,7 +350,8 @@ class WorkerHalf:
                 # host copies: a step's saves must not hold device memory while tiers write them
                 ids = self._kernel(group, blocks)
                 shape = gathered_shape(layers, ids, self._layouts[group])
-                buffer = self._buffers.take(math.prod(shape) * layers[0].element_size())
+                nbytes = math.prod(shape) * layers[0].element_size()
+                buffer = self._buffers.take(size_class(nbytes))[:nbytes]
                 data = gather(layers, ids, self._layouts[group], out=buffer.view(layers[0].dtype).view(shape))
             except (ValueError, RuntimeError, IndexError) as exc:  # a save is never worth an engine failure
                 logger.warning("saving %d chunk(s) of group %d failed: %r", len(keys), group, exc)
@@ -427,6 +431,7 @@ class WorkerHalf:
                 sending.add(req_id)
                 self._finished.discard(req_id)
                 del self._saves[req_id]
+                self._queue.forget(req_id)
         return sending or None, recving or None
 
     def _wait_idle(self, finished_req_ids: set[str]) -> None:
@@ -434,10 +439,12 @@ class WorkerHalf:
         first pending save of a finished request (whose blocks the engine may be waiting for): the engine's
         thread sleeps instead of spinning, and kvtier's threads, the background writers at the lowest priority
         included, get the cores."""
-        pending: list[concurrent.futures.Future[Any]] = [future for _, future in self._recving.values()]
-        for req_id in self._finished | (finished_req_ids & self._saves.keys()):
-            pending.extend(self._saves[req_id])
-        if pending and not any(f.done() for f in pending):
+        loads = [future for _, future in self._recving.values()]
+        saving = [self._saves[r] for r in self._finished | (finished_req_ids & self._saves.keys())]
+        if any(f.done() for f in loads) or any(all(f.done() for f in futures) for futures in saving):
+            return  # something to report already
+        pending: list[concurrent.futures.Future[Any]] = [*loads, *(f for fs in saving for f in fs if not f.done())]
+        if pending:
             concurrent.futures.wait(pending, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

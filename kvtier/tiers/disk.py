@@ -9,9 +9,10 @@ Writes: encode (kvtier.codec, optional compression and HMAC) into a temp file in
 when configured, ``os.replace``. The quota counts whole files; a put that would exceed it is refused. Any
 OSError while writing (ENOSPC included) drops that write, removes the temp file and counts ``errors``.
 Reads verify the key, checksum and signature; a corrupt or truncated file is a miss, deleted and counted in
-``corrupt``; a file removed behind our back (another process sharing the directory) is a miss. Each record is
-written by one blocking call in a worker thread (``asyncio.to_thread``): one thread hop per record instead of
-one per file operation (aiofiles). Reads of one ``get``: small records (under ``SMALL_RECORD`` on average) first
+``corrupt``; a file removed behind our back (another process sharing the directory) is a miss. The records of
+one ``put`` are written one after another by the tier's single writer thread, at the lowest CPU priority
+(``kvtier.runtime.background_thread``): one thread hop per batch, and the engine's threads run first.
+Reads of one ``get``: small records (under ``SMALL_RECORD`` on average) first
 go through one call that reads each only if the page cache holds all of it (``RWF_NOWAIT``); the rest, and
 large records, go in at most ``READ_STREAMS`` calls (runs of records of similar size), so that a device has
 several reads in flight. A read goes straight into the returned tensor's memory, recycled from results the
@@ -256,8 +257,9 @@ class DiskTier(Tier):
             return await self._put_batch(items)
 
     async def _put_batch(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
-        for key, _ in items:
-            await self._wait_writing(key)
+        while any(key in self._writing for key, _ in items):  # no await between this check and the claims below
+            for key, _ in items:
+                await self._wait_writing(key)
         done = [False] * len(items)
         accepted = [i for i, (key, tensor) in enumerate(items) if self._reserve(key, tensor)]
         if not accepted:
@@ -272,7 +274,8 @@ class DiskTier(Tier):
             for i in accepted:
                 key, tensor = items[i]
                 self._reserved -= self.stored_size(tensor.numel() * tensor.element_size())
-                del self._writing[key]
+                if self._writing.get(key) is waits[key]:
+                    del self._writing[key]
                 waits[key].set_result(None)
         for i, size in zip(accepted, sizes, strict=True):
             done[i] = self._settle_write(items[i], size)
@@ -297,20 +300,21 @@ class DiskTier(Tier):
         self._reserved += need
         return True
 
-    def _write_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[int | OSError]:
-        """Write each record (blocking, in a worker thread); its file size, or the OSError that dropped it."""
-        out: list[int | OSError] = []
+    def _write_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[int | Exception]:
+        """Write each record (blocking, in a worker thread); its file size, or the error that dropped it (each
+        record on its own: one that fails never takes the others of the batch along)."""
+        out: list[int | Exception] = []
         for key, tensor in items:
             try:
                 out.append(write_record(self.layout, key, tensor, self.section.compression, self.hmac_key,
                                         self.section.fsync))
-            except OSError as exc:
+            except Exception as exc:
                 out.append(exc)
         return out
 
-    def _settle_write(self, item: tuple[Key, torch.Tensor], size: int | OSError) -> bool:
+    def _settle_write(self, item: tuple[Key, torch.Tensor], size: int | Exception) -> bool:
         key, tensor = item
-        if isinstance(size, OSError):
+        if isinstance(size, Exception):
             log.warning("disk tier %s: write of %s dropped: %s", self.name, key.hex(), size)
             self._stats.errors += 1
             return False

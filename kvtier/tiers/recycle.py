@@ -36,6 +36,13 @@ GROUP_BYTES = 8 << 20  # ``take_many``: small items of one call share buffers of
 GROUP_ITEM_MAX = 1 << 20  # ``take_many``: items of this size and more get a buffer each
 
 
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to its buffer size class: a power of two up to 1 MiB, whole MiB above. Buffers of
+    varying sizes taken by class reuse each other's memory (the free lists hold exact sizes)."""
+    mib = GROUP_ITEM_MAX
+    return 1 << (nbytes - 1).bit_length() if nbytes <= mib else -(-nbytes // mib) * mib
+
+
 def _align_of(nbytes: int) -> int:
     return ALIGN if nbytes >= PAGE_ALIGNED_FROM else LINE
 
@@ -111,9 +118,7 @@ class Recycler:
             if group:
                 # a size class (a power of two up to 1 MiB, whole MiB above): batches of different lengths then
                 # reuse each other's memory, and a group wastes at most half of itself, or 1 MiB
-                mib = GROUP_ITEM_MAX
-                size = 1 << (end - 1).bit_length() if end <= mib else -(-end // mib) * mib
-                array = self.take_array(size, lead)
+                array = self.take_array(size_class(end), lead)
                 out.extend((array, offset) for offset in group)
                 group.clear()
 

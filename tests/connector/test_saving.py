@@ -112,6 +112,55 @@ def test_saves_past_the_backlog_are_skipped_reported_and_still_evict(gated) -> N
     assert worker._queue.backlog == 0
 
 
+def test_with_nothing_queued_a_save_larger_than_the_backlog_is_taken(gated) -> None:  # type: ignore[no-untyped-def]
+    """The bound only holds back saves behind others: a step bigger than it, alone, is saved (else a large
+    prefill would never be cached), and a request with a skipped save skips its later ones (they could not hit)."""
+    worker, tier, loop, _ = gated
+    worker._queue.max_backlog = worker._chunk_bytes(0)  # less than the two chunks below
+    save(worker, "big", KEYS[:2], [(1, 2), (3, 4)])
+    save(worker, "late", KEYS[2:3], [(5, 6)])  # queued behind "big": skipped
+    save(worker, "late", KEYS[3:], [(7, 8)])  # its next chunk: skipped too, whatever the room
+    tier.gate.set()
+    worker.flush()
+    assert [v is not None for v in stored(loop, tier, KEYS)] == [True, True, False, False]
+    stats = worker.stats()
+    assert stats is not None and stats.data["save_skipped_busy"] == 2
+    assert worker._queue.backlog == 0
+
+
+def test_a_save_step_cancelled_before_it_ran_leaves_the_backlog(gated) -> None:  # type: ignore[no-untyped-def]
+    """A bounded wait that gives up cancels queued steps; their bytes leave the backlog even if they never ran,
+    and their chunks are completed, never left claimed."""
+    worker, tier, loop, _ = gated
+    save(worker, "a", KEYS[:1], [(1, 2)])  # runs, waits at the gate
+    save(worker, "b", KEYS[1:2], [(3, 4)])  # queued behind it
+    worker.wait_timeout_s = 0.2
+    worker.flush()  # gives up: both steps cancelled
+    assert worker._queue.backlog == 0
+    tier.gate.set()
+    assert stored(loop, tier, KEYS[1:2]) == [None]
+
+
+def test_a_stuck_save_is_abandoned_and_frees_its_request(gated, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A medium that never finishes a write: after ``SAVE_TIMEOUT_S`` the save is dropped and reported not stored,
+    and the finished request is reported done, so the engine gets its blocks back."""
+    from kvtier.connector import saving
+
+    worker, _, _, _ = gated
+    monkeypatch.setattr(saving, "SAVE_TIMEOUT_S", 0.3)
+    save(worker, "r", KEYS[:1], [(1, 2)])
+    assert worker.get_finished({"r"})[0] is None
+    deadline = time.monotonic() + 10
+    sending = None
+    while sending is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        sending = worker.get_finished(set())[0]
+    assert sending == {"r"}
+    stats = worker.stats()
+    assert stats is not None
+    assert stats.data["save_timeouts"] == 1 and stats.data["failed_saves"] == [["r", "disk", KEYS[0].hex(), "0"]]
+
+
 def test_an_idle_step_waits_for_the_writes_a_finished_request_holds_blocks_for(gated, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     worker, tier, _, _ = gated
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 5.0)

@@ -279,7 +279,7 @@ async def test_reads_records_written_by_another_process_after_start(tmp_path: Pa
     assert await reader.delete([key(3)]) == 1 and not record_files(tmp_path)
 
 
-async def test_concurrent_puts_of_one_key_keep_the_index_exact(tmp_path: Path) -> None:
+async def test_a_key_twice_in_one_put_keeps_the_last_value_and_an_exact_index(tmp_path: Path) -> None:
     tier = await disk(tmp_path)
     small, big = rand((10,)), rand((1000,), seed=1)
     assert await tier.put([(key(0), small), (key(0), big)]) == [True, True]
@@ -439,7 +439,8 @@ async def test_one_put_writes_its_records_in_one_background_thread_and_a_failed_
     OSError on one record (its shard directory is a file here) drops that record only."""
     import threading
 
-    tier = await disk(tmp_path / "d")
+    tier = DiskTier(DiskTierConfig(name="batchwriter", capacity=1 << 24, path=str(tmp_path / "d")))
+    await tier.start()
     keys = [key(i) for i in range(5)]
     values = [rand((64,), seed=i) for i in range(5)]
     blocked = Path(tier.layout.path(keys[2])).parent
@@ -451,18 +452,27 @@ async def test_one_put_writes_its_records_in_one_background_thread_and_a_failed_
     assert got[2] is None
     for g, v in zip(got[:2] + got[3:], values[:2] + values[3:], strict=True):
         assert_same(g, v)
-    writers = [t for t in threading.enumerate() if t.name.startswith("kvtier-disk-disk")]
+    writers = [t for t in threading.enumerate() if t.name.startswith("kvtier-disk-batchwriter")]
     assert len(writers) == 1
     if sys.platform == "linux":
         assert os.getpriority(os.PRIO_PROCESS, writers[0].native_id or 0) == 19
     await tier.close()
 
 
-async def test_a_key_twice_in_one_put_keeps_the_last_value(tmp_path: Path) -> None:
-    tier = await disk(tmp_path / "d")
-    first, last = rand((64,), seed=1), rand((64,), seed=2)
-    assert await tier.put([(key(1), first), (key(1), last)]) == [True, True]
-    got = await tier.get([key(1)])
-    assert_same(got[0], last)
-    assert tier.used_bytes() == tier.stored_size(last.numel() * last.element_size())
+
+async def test_overlapping_puts_of_shared_keys_wait_for_each_other_and_settle_exactly(tmp_path: Path) -> None:
+    """Two puts in flight at once whose batches share keys: the second waits for the first's writes of those
+    keys, nothing deadlocks, and the index and quota match the files (the last writer of a key wins)."""
+    import asyncio
+
+    tier = await disk(tmp_path)
+    first = [(key(i), rand((256,), seed=i)) for i in range(4)]
+    second = [(key(i), rand((512,), seed=10 + i)) for i in range(2, 6)]
+    done = await asyncio.wait_for(asyncio.gather(tier.put(first), tier.put(second)), 30)
+    assert done == [[True] * 4, [True] * 4]
+    got = await tier.get([key(i) for i in range(6)])
+    for i, value in enumerate(got):
+        assert_same(value, (first[i][1] if i < 2 else second[i - 2][1]))
+    assert tier._reserved == 0 and not tier._writing
+    assert tier.used_bytes() == sum(p.stat().st_size for p in record_files(tmp_path))
     await tier.close()

@@ -231,9 +231,10 @@ class TieredStore:
         every (tier, key) not stored to ``failed`` when given.
 
         Every plan runs: one that raises (a failing medium, a failed ``source`` move) is logged and completed
-        as failed, so its keys never stay PENDING, and the next plans still run. ``skip_writes``: only the
-        plans' evictions run (the directory has already counted their room as free); every write and move is
-        completed as not stored (a save the worker chose to drop)."""
+        as failed, so its keys never stay PENDING, and the next plans still run; cancelled, it completes this and
+        every later plan as failed (and adds them to ``failed``) before the cancellation propagates.
+        ``skip_writes``: only the plans' evictions run (the directory has already counted their room as free);
+        every write and move is completed as not stored (a save the worker chose to drop)."""
         stored: dict[str, int] = {}
         for i, plan in enumerate(plans):
             try:
@@ -244,6 +245,8 @@ class TieredStore:
             except BaseException:  # cancelled (a bounded wait gave up): no key of this or later plans stays PENDING
                 for rest in plans[i:]:
                     self.directory.complete_store(rest.tier, rest.store, [False] * len(rest.store))
+                    if failed is not None:
+                        failed.extend((rest.tier, k) for k in rest.store)
                 raise
             else:
                 stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)

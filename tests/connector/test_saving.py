@@ -114,31 +114,41 @@ def test_saves_past_the_backlog_are_skipped_reported_and_still_evict(gated) -> N
 
 def test_with_nothing_queued_a_save_larger_than_the_backlog_is_taken(gated) -> None:  # type: ignore[no-untyped-def]
     """The bound only holds back saves behind others: a step bigger than it, alone, is saved (else a large
-    prefill would never be cached), and a request with a skipped save skips its later ones (they could not hit)."""
+    prefill would never be cached), and a request with a skipped save skips its later ones even when the queue
+    has room again (they could never be hit without the skipped chunk)."""
     worker, tier, loop, _ = gated
     worker._queue.max_backlog = worker._chunk_bytes(0)  # less than the two chunks below
     save(worker, "big", KEYS[:2], [(1, 2), (3, 4)])
     save(worker, "late", KEYS[2:3], [(5, 6)])  # queued behind "big": skipped
-    save(worker, "late", KEYS[3:], [(7, 8)])  # its next chunk: skipped too, whatever the room
     tier.gate.set()
     worker.flush()
-    assert [v is not None for v in stored(loop, tier, KEYS)] == [True, True, False, False]
+    assert worker._queue.backlog == 0
+    save(worker, "late", KEYS[3:], [(7, 8)])  # room now, but its earlier chunk is missing: skipped
+    save(worker, "other", KEYS[3:], [(7, 8)])  # another request with the same room: saved
+    worker.flush()
+    assert [v is not None for v in stored(loop, tier, KEYS)] == [True, True, False, True]
     stats = worker.stats()
     assert stats is not None and stats.data["save_skipped_busy"] == 2
-    assert worker._queue.backlog == 0
+    assert [row[0] for row in stats.data["failed_saves"]] == ["late", "late"]
 
 
 def test_a_save_step_cancelled_before_it_ran_leaves_the_backlog(gated) -> None:  # type: ignore[no-untyped-def]
-    """A bounded wait that gives up cancels queued steps; their bytes leave the backlog even if they never ran,
-    and their chunks are completed, never left claimed."""
+    """A bounded wait that gives up cancels the steps it waited for; their bytes leave the backlog even when
+    their jobs never started (the I/O loop was busy), and nothing of them is written."""
     worker, tier, loop, _ = gated
-    save(worker, "a", KEYS[:1], [(1, 2)])  # runs, waits at the gate
-    save(worker, "b", KEYS[1:2], [(3, 4)])  # queued behind it
+    busy, release = threading.Event(), threading.Event()
+    loop.loop.call_soon_threadsafe(lambda: (busy.set(), release.wait(10)))
+    assert busy.wait(5)  # the loop thread is held: the steps below are queued, not started
+    save(worker, "a", KEYS[:1], [(1, 2)])
+    save(worker, "b", KEYS[1:2], [(3, 4)])
+    assert worker._queue.backlog == 2 * worker._chunk_bytes(0)
     worker.wait_timeout_s = 0.2
-    worker.flush()  # gives up: both steps cancelled
+    worker.flush()  # gives up: both steps cancelled before they ran
     assert worker._queue.backlog == 0
+    release.set()
     tier.gate.set()
-    assert stored(loop, tier, KEYS[1:2]) == [None]
+    time.sleep(0.2)
+    assert stored(loop, tier, KEYS[:2]) == [None, None]
 
 
 def test_a_stuck_save_is_abandoned_and_frees_its_request(gated, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -159,6 +169,7 @@ def test_a_stuck_save_is_abandoned_and_frees_its_request(gated, monkeypatch) -> 
     stats = worker.stats()
     assert stats is not None
     assert stats.data["save_timeouts"] == 1 and stats.data["failed_saves"] == [["r", "disk", KEYS[0].hex(), "0"]]
+    assert worker._queue.backlog == 0
 
 
 def test_an_idle_step_waits_for_the_writes_a_finished_request_holds_blocks_for(gated, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -196,12 +207,12 @@ def test_store_threshold_saves_a_prefix_once_a_second_request_asks_for_it(tmp_pa
         eng.close()
 
 
-def test_seen_counter_counts_per_key_and_forgets_the_least_recently_seen() -> None:
+def test_seen_counter_counts_per_key_and_forgets_deep_chunks_before_their_prefix_root() -> None:
     seen = SeenCounter(capacity=2)
-    seen.add([KEYS[0], KEYS[1]])
-    seen.add([KEYS[0]])
-    assert (seen.count(KEYS[0]), seen.count(KEYS[1])) == (2, 1)
-    seen.add([KEYS[2]])  # KEYS[1] was seen least recently
-    assert (len(seen), seen.count(KEYS[1]), seen.count(KEYS[2])) == (2, 0, 1)
+    seen.add([KEYS[0], KEYS[1]])  # one request's prefix, root first
+    seen.add([KEYS[2]])  # over capacity: the deeper chunk goes, the root stays (a chunk is useless without it)
+    assert (len(seen), seen.count(KEYS[0]), seen.count(KEYS[1]), seen.count(KEYS[2])) == (2, 1, 0, 1)
+    seen.add([KEYS[2]])
+    assert seen.count(KEYS[2]) == 2
     with pytest.raises(ValueError):
         SeenCounter(0)

@@ -461,18 +461,20 @@ async def test_one_put_writes_its_records_in_one_background_thread_and_a_failed_
 
 
 async def test_overlapping_puts_of_shared_keys_wait_for_each_other_and_settle_exactly(tmp_path: Path) -> None:
-    """Two puts in flight at once whose batches share keys: the second waits for the first's writes of those
-    keys, nothing deadlocks, and the index and quota match the files (the last writer of a key wins)."""
+    """Puts in flight at once whose batches share keys (A=[k2], B=[k1, k2], C=[k1]): each waits for the others'
+    writes of its keys before claiming them, nothing deadlocks or loses a claim, and the index and quota match
+    the files (a key's last writer wins)."""
     import asyncio
 
     tier = await disk(tmp_path)
-    first = [(key(i), rand((256,), seed=i)) for i in range(4)]
-    second = [(key(i), rand((512,), seed=10 + i)) for i in range(2, 6)]
-    done = await asyncio.wait_for(asyncio.gather(tier.put(first), tier.put(second)), 30)
-    assert done == [[True] * 4, [True] * 4]
-    got = await tier.get([key(i) for i in range(6)])
-    for i, value in enumerate(got):
-        assert_same(value, (first[i][1] if i < 2 else second[i - 2][1]))
+    a = [(key(2), rand((256,), seed=1))]
+    b = [(key(1), rand((300,), seed=2)), (key(2), rand((400,), seed=3))]
+    c = [(key(1), rand((500,), seed=4))]
+    done = await asyncio.wait_for(asyncio.gather(tier.put(a), tier.put(b), tier.put(c)), 30)
+    assert done == [[True], [True, True], [True]]
     assert tier._reserved == 0 and not tier._writing
+    got = await tier.get([key(1), key(2)])
+    assert_same(got[0], b[0][1])  # B waited for C's write of k1, then wrote it
+    assert_same(got[1], b[1][1])
     assert tier.used_bytes() == sum(p.stat().st_size for p in record_files(tmp_path))
     await tier.close()

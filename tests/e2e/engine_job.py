@@ -40,7 +40,10 @@ def kvtier_totals(connector: Any) -> dict[str, float] | None:
     if children is not None:  # KVTierMultiConnector: kvtier is the first child
         impl = children[0]._impl
     worker = getattr(impl, "_worker", None)
-    return None if worker is None else {**worker.totals(), "disabled": worker.disabled is not None}
+    if worker is None:
+        return None
+    worker.flush()  # saves are written in the background: count them once they are done
+    return {**worker.totals(), "disabled": worker.disabled is not None}
 
 
 def main(spec_path: str, out_path: str) -> None:

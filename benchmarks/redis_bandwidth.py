@@ -25,7 +25,6 @@ import resource
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from kvtier.config import RedisTierConfig
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis.tier import RedisTier
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -179,8 +178,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import redis
     from redis.utils import HIREDIS_AVAILABLE
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from redis_servers import RedisServer  # the test suite's launcher: free port, no persistence, killed at exit
+    from kvtier.bench.redis_servers import RedisServer  # free port, no persistence, killed at exit
 
     if args.quick:
         args.mib, args.reps = min(args.mib, 32), max(args.reps, 3)

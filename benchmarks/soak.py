@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))  # kvtier from this checkout
 
 import redis  # noqa: E402
 import torch  # noqa: E402
@@ -231,7 +231,7 @@ def run_soak(spec: SoakSpec, server: Any, workdir: Path) -> dict[str, Any]:
         "hits_by_tier": {k.removeprefix("hits_"): int(v) for k, v in other.stats.items() if k.startswith("hits_")},
         "corrupt_detected": {n: int(s["corrupt"]) for n, s in stats.items()},
         "redis_errors_and_timeouts": int(stats["redis"]["errors"] + stats["redis"]["timeouts"]),
-        "evictions": {n: int(s["evictions"]) for n, s in stats.items()},
+        "evictions": {n: pair.store.directory.stats.evictions_by_tier.get(n, 0) for n in stats},
         "wrong_answers": wrong_answers(base, other), "leaked_blocks": other.leaked_blocks,
         "directory_pins": pins, "directory_pending": pending,
         "temp_files": len(list(disk_root.rglob("*.tmp"))), "capacity": caps,
@@ -262,7 +262,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak.json")
     args = parser.parse_args()
-    from redis_servers import RedisServer
+    from kvtier.bench.redis_servers import RedisServer
 
     spec = SoakSpec(waves=args.waves, requests=args.requests, seed=args.seed)
     with RedisServer(maxmemory="256mb") as server, tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp:

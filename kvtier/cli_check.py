@@ -2,7 +2,8 @@
 
 Prints every tier's kind and capacity in bytes, and for the model shape (default: Llama-3.1-8B in bfloat16)
 how many chunks and tokens it holds, plus chunk size, policy and placement. ``KVTIER_*`` environment
-variables apply, as they would in the engine (``--no-env`` ignores them). Exit code 0, or 2 with the error.
+variables apply, as they would in the engine (``--no-env`` ignores them). A tier whose client library is not
+installed (the ``redis`` extra) is an error. Exit code 0, or 2 with the error.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvtier.config import (
 from kvtier.config_parse import format_duration, format_size
 from kvtier.errors import ConfigError
 from kvtier.layout import DTYPE_SIZES, GroupKind, KVCacheConfig, dtype_name, simple_config
+from kvtier.tiers import check_extras
 
 HELP = "validate a config file and show tier capacities in bytes, tokens and chunks"
 
@@ -164,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") or k == "KVTIER_CACHE_DIR"}
         cfg = load_config(args.config, env=env if args.no_env else os.environ)
         validate_for_layout(cfg, shape.layout())
+        check_extras(cfg)
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"ok": False, "config": args.config, "path": exc.path, "error": str(exc)}))

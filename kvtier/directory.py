@@ -60,9 +60,16 @@ class _Entry:
 
 @dataclass
 class DirectoryStats:
+    """Counters of the control plane: lookups it answered (local tiers), its eviction decisions, and refusals: a
+    tier that could not take a chunk (``refused``, once per tier), a chunk no tier of its chain took (``unplaced``)."""
+
+    lookups: int = 0
+    hits: int = 0
     evictions: int = 0
     demotions: int = 0
     refused: int = 0
+    unplaced: int = 0
+    evictions_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,7 +131,14 @@ class Directory:
                         break
                 else:
                     break
+            self.stats.lookups += len(keys)
+            self.stats.hits += len(found)
         return found
+
+    def count_unplaced(self, n: int) -> None:
+        """Chunks a placement (kvtier.planner) could put in no tier of their chain."""
+        with self._lock:
+            self.stats.unplaced += n
 
     def contains(self, tier: str, key: Key) -> bool:
         with self._lock:
@@ -210,6 +224,8 @@ class Directory:
             index.used -= entry.size
             evicted.append((victim, entry.size, entry.parent))
             self.stats.evictions += 1
+            by_tier = self.stats.evictions_by_tier
+            by_tier[index.slot.name] = by_tier.get(index.slot.name, 0) + 1
         return True
 
     @staticmethod

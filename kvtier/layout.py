@@ -8,9 +8,11 @@ vLLM objects by duck typing, so this module never imports vllm.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
+
+from kvtier.geometry import canonical_layout
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -253,14 +255,29 @@ def _packing(spec: Any) -> dict[str, int | None]:
             "content_bytes": number("state_content_bytes")}
 
 
-def from_vllm(kv_cache_config: Any) -> KVCacheConfig:
-    """Convert a vLLM ``KVCacheConfig`` (any version with ``kv_cache_groups``) to kvtier's model."""
+def from_vllm(kv_cache_config: Any, vllm_config: Any = None) -> KVCacheConfig:
+    """Convert a vLLM ``KVCacheConfig`` (any version with ``kv_cache_groups``) to kvtier's model, its layout
+    resolved once for the whole start: the ``KVCacheLayout`` on the KV-cache config (vLLM >= 0.32), else the
+    cache config's, by canonical name (:func:`kvtier.geometry.canonical_layout`). Given the engine's
+    ``vllm_config``, a resolved layout also records its packing (the device type); a kvtier ``KVCacheConfig`` is
+    returned as it is unless there is such a layout to record."""
     if isinstance(kv_cache_config, KVCacheConfig):
-        return kv_cache_config
-    groups = tuple(
-        KVCacheGroupSpec(tuple(g.layer_names), _spec_from_vllm(g.kv_cache_spec))
-        for g in kv_cache_config.kv_cache_groups
-    )
-    layout = getattr(kv_cache_config, "kv_cache_layout", None)
-    return KVCacheConfig(groups, int(getattr(kv_cache_config, "num_blocks", 0)),
-                         str(getattr(layout, "name", layout)) if layout is not None else None)
+        base = kv_cache_config
+    else:
+        groups = tuple(KVCacheGroupSpec(tuple(g.layer_names), _spec_from_vllm(g.kv_cache_spec))
+                       for g in kv_cache_config.kv_cache_groups)
+        base = KVCacheConfig(groups, int(getattr(kv_cache_config, "num_blocks", 0)),
+                             _layout_of(getattr(kv_cache_config, "kv_cache_layout", None)))
+    if vllm_config is None:
+        return base
+    resolved = base.kv_layout or _layout_of(getattr(getattr(vllm_config, "cache_config", None),
+                                                    "kv_cache_layout", None))
+    if resolved is None:
+        return base
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    return replace(base, kv_layout=resolved, kv_packing=str(device) if device else None)
+
+
+def _layout_of(layout: Any) -> str | None:
+    """A layout's canonical name; None for no layout."""
+    return canonical_layout(layout) if layout is not None else None

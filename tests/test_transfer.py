@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.transfer import NULL_BLOCK, KVLayout, detect_layout, gather, payload_shape, scatter
+from kvtier.geometry import NULL_BLOCK, KVLayout, chunk_payload_shape, detect_layout, payload_shape
+from kvtier.transfer import gather, gathered_shape, scatter
 
 NUM_BLOCKS, BS, HEADS, HEAD = 24, 4, 2, 8
 
@@ -131,6 +132,19 @@ def test_gather_into_another_device_or_buffer() -> None:
     buf = torch.empty_like(expected)
     assert gather(layers, ids, KVLayout.KV_FIRST, out=buf) is buf
     assert torch.equal(buf, expected)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_gather_into_a_strided_buffer_stages_each_layer_and_matches_block_by_block_copies(layout: KVLayout) -> None:
+    """An ``out`` the blocks cannot be copied straight into (not contiguous) takes each family's staged path."""
+    layers = _paged(layout, 3, torch.float32, seed=7)
+    ids = [[1, 2], [5, NUM_BLOCKS - 1], [9, 3]]
+    shape = gathered_shape(layers, ids, layout)
+    assert shape == (3, *chunk_payload_shape(layers[0], layout, 3, 2))
+    buf = torch.full((shape[1], shape[0], *shape[2:]), -1.0).transpose(0, 1)  # [n, L, ...] view, not contiguous
+    assert not buf.is_contiguous()
+    assert gather(layers, ids, layout, out=buf) is buf
+    assert torch.equal(buf, _reference_blocks(layers, layout, ids))
 
 
 def _reference_blocks(layers: list[torch.Tensor], layout: KVLayout, ids: list[list[int]]) -> torch.Tensor:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from tqdm import tqdm
-
 from kvtier.bench.belady import BeladyPolicy, belady_schedule
 from kvtier.bench.workloads import GENERATORS, Workload, load_mooncake
 from kvtier.cli_check import parse_model_shape
@@ -29,6 +27,7 @@ from kvtier.directory import Directory, TierSlot
 from kvtier.errors import ConfigError
 from kvtier.keys import Key
 from kvtier.policy import POLICIES, EvictionPolicy, make_policy
+from kvtier.progress import progress_bar
 
 HELP = "token hit rate of each eviction policy on a trace or synthetic workload, beside Belady's"
 
@@ -207,13 +206,12 @@ def sweep(workload: Workload, spec: SweepSpec, progress: bool = False) -> dict[s
     unique = workload.unique_chunks()
     runs: list[tuple[str, tuple[int, ...]]] = [(p, (c,)) for c in spec.capacities for p in spec.policies]
     runs += [(p, t) for t in spec.tier_setups for p in spec.policies]
-    bar = tqdm(total=len(runs) * len(workload.requests), unit="req", disable=not progress, leave=False)
     belady: dict[int, float] = {}
     results = []
-    with bar:
+    with progress_bar(len(runs) * len(workload.requests), unit="req", enabled=progress, leave=False) as update:
         for policy, caps in runs:
-            stats = replay_policy(workload, policy, caps, bar.update)
-            bar.update(len(workload.requests) % 1000)
+            stats = replay_policy(workload, policy, caps, update)
+            update(len(workload.requests) % 1000)
             total = sum(caps)
             if spec.belady and total not in belady:
                 belady[total] = belady_hit_rate(workload, total)

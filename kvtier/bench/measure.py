@@ -13,8 +13,7 @@ at a fraction of memory speed):
   OpenMP then stops spin-waiting when threads outnumber cores, slowing every later small parallel op).
 
 The machine description (:func:`machine_info`) and JSON writing (:func:`write_json`) are here too, so every
-result file says where it was measured. :func:`redis_server` starts a throw-away ``redis-server`` on a free
-loopback port.
+result file says where it was measured. (A throw-away ``redis-server``: ``kvtier.bench.redis_servers``.)
 """
 
 from __future__ import annotations
@@ -23,13 +22,9 @@ import contextlib
 import json
 import os
 import platform
-import shutil
-import socket
 import statistics
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -177,43 +172,3 @@ def format_size(nbytes: int) -> str:
         if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
             return f"{nbytes >> shift}{unit}"
     return f"{nbytes}B"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pong(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def redis_server(maxmemory: str = "2gb", timeout: float = 10.0) -> Iterator[str]:
-    """Run a private ``redis-server`` (no persistence) on a free loopback port; yield its URL; kill it after."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed")
-    port = _free_port()
-    workdir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru",
-            "--protected-mode", "no", "--loglevel", "warning"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + timeout
-        while not _pong(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {port} did not start")
-            time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)

@@ -158,7 +158,7 @@ def bench_memory(run: Runner, kind: str, chunk_bytes: int) -> None:
     """``put`` / ``get`` / ``get_into`` of a pool tier against per-chunk tensor copies."""
     from kvtier.config import CpuTierConfig, GpuTierConfig
     from kvtier.tiers import make_tier
-    from kvtier.tiers.pool import PoolTier
+    from kvtier.tiers.memory.pool import PoolTier
 
     s = run.settings
     n = s.chunks(chunk_bytes)

@@ -35,12 +35,12 @@ from kvtier.bench.measure import (
     gbps,
     interleave,
     pretouch,
-    redis_server,
     same_bytes,
     timed,
     touched,
 )
-from kvtier.tiers.disk_io import READ_STREAMS, SMALL_RECORD
+from kvtier.bench.redis_servers import redis_server
+from kvtier.tiers.disk.io import READ_STREAMS, SMALL_RECORD
 
 if TYPE_CHECKING:
     from kvtier.bench.throughput import Runner, Settings
@@ -81,7 +81,7 @@ def bench_disk(run: Runner, root: Path, chunk_bytes: int, fsync: bool) -> None:
     """Disk tier ``put`` / ``get`` (warm and cold) against plain file writes and reads."""
     from kvtier.bench.throughput import chunk_views, make_keys
     from kvtier.config import DiskTierConfig
-    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.disk.tier import DiskTier
 
     s = run.settings
     n = s.chunks(chunk_bytes)
@@ -213,7 +213,7 @@ def bench_redis(run: Runner, url: str, chunk_bytes: int) -> None:
 
     from kvtier.bench.throughput import chunk_views, make_keys
     from kvtier.config import RedisTierConfig
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.redis.tier import RedisTier
 
     s = run.settings
     n = s.chunks(chunk_bytes)

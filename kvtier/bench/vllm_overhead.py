@@ -33,7 +33,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.vllm_engine import make_model
+from kvtier.bench.models import make_llama
 from kvtier.bench.vllm_proc import ENV, Engine, serve
 
 HELP = "cost of an active kvtier on requests that never hit, in vLLM's CPU engine (ratios to no connector)"
@@ -170,14 +170,15 @@ def run(args: argparse.Namespace) -> int:
     if args.serve:
         serve(args.serve[0])
         return 0
-    from kvtier.bench.measure import redis_server, save_results
+    from kvtier.bench.measure import save_results
+    from kvtier.bench.redis_servers import redis_server
 
     length, rounds, outputs = (128, 2, 4) if args.quick else (args.length, args.rounds, args.output_tokens)
     layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
     extra = dict(item.split("=", 1) for item in args.env)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-overhead-")))
-        model = args.model or make_model(str(workdir), layers, hidden)
+        model = args.model or make_llama(str(workdir), layers, hidden)
         redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **extra,
                **ENV}  # ENV last: the benchmark drives the engine in-process

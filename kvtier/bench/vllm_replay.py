@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.hitrate import DEFAULT_TRACE
-from kvtier.bench.vllm_engine import make_model, model_kv_bytes_per_token
+from kvtier.bench.models import llama_kv_bytes_per_token, make_llama
 from kvtier.bench.vllm_proc import ENV, Engine, serve
 
 HELP = "a real trace through vLLM's CPU engine with too little KV memory: its prefix cache alone vs + kvtier"
@@ -231,10 +231,10 @@ def run(args: argparse.Namespace) -> int:
     ws_tokens = working_set_tokens(prompts, args.block_tokens)
     one_request = math.ceil((args.max_prompt + args.output_tokens) / BLOCK) + 2
     blocks = max(math.ceil(ws_tokens * args.memory / BLOCK), one_request)
-    tier_bytes = int(blocks * BLOCK * model_kv_bytes_per_token(layers, hidden) * args.tier_memory)
+    tier_bytes = int(blocks * BLOCK * llama_kv_bytes_per_token(layers, hidden) * args.tier_memory)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-replay-")))
-        model = make_model(str(workdir), layers, hidden)
+        model = make_llama(str(workdir), layers, hidden)
         env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
         engines = []
         for mode in args.modes:

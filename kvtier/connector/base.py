@@ -165,6 +165,11 @@ class KVConnectorBase(ABC):
     def get_kv_connector_kv_cache_events(self) -> Any:
         return None
 
+    def build_connector_worker_meta(self) -> Any:
+        """What this worker tells the scheduler this step (anything with ``aggregate(other)``), or None; the
+        engine aggregates it over workers into ``KVConnectorOutput.kv_connector_worker_meta``."""
+        return None
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None
 

@@ -35,6 +35,7 @@ from kvtier.connector.base import (
     supports_hma,
 )
 from kvtier.connector.factory import DEFAULT_FACTORY, ConnectorFactory
+from kvtier.connector.report import ChildReports
 from kvtier.errors import ConnectorError
 
 logger = logging.getLogger(__name__)
@@ -312,9 +313,23 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         self._extra_async_saves = {}
         return metadata
 
+    def build_connector_worker_meta(self) -> ChildReports | None:
+        metas = tuple(c.build_connector_worker_meta() for c in self._connectors)
+        return None if all(m is None for m in metas) else ChildReports(metas)
+
     def update_connector_output(self, connector_output: Any) -> None:
-        for child in self._connectors:
-            child.update_connector_output(connector_output)
+        """Every child learns what the workers finished; each sees its own worker metadata."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, ChildReports):
+            for child in self._connectors:
+                child.update_connector_output(connector_output)
+            return
+        try:
+            for child, child_meta in zip(self._connectors, meta.metadata, strict=True):
+                connector_output.kv_connector_worker_meta = child_meta
+                child.update_connector_output(connector_output)
+        finally:
+            connector_output.kv_connector_worker_meta = meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._aggregate_finished(request, lambda c: c.request_finished(request, block_ids))

@@ -12,9 +12,6 @@ from kvtier.connector.base import KVConnectorMetadata
 from kvtier.directory import StorePlan
 from kvtier.keys import Key
 
-DISABLED = "kvtier_disabled"  # worker stats entry: this worker cannot read the engine's KV tensors (see worker)
-FAILED_SAVES = "failed_saves"  # worker stats entry: [request id, tier, key hex, tp rank] per chunk not stored
-
 
 @dataclass(frozen=True)
 class LoadSpec:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConnectorError
+from kvtier.geometry import KVLayout, block_size_of, detect_layout
 from kvtier.layout import (
     UNSERVED,
     FullAttentionSpec,
@@ -24,7 +25,6 @@ from kvtier.layout import (
     dtype_name,
 )
 from kvtier.pages import page_view
-from kvtier.transfer import KVLayout, block_size_of, detect_layout
 
 if TYPE_CHECKING:
     import torch

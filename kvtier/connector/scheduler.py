@@ -21,18 +21,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.config import KvtierConfig, TierKind, WritePolicy
-from kvtier.connector.counters import failed_saves, worker_disabled
+from kvtier.config import KvtierConfig, TierKind
 from kvtier.connector.hits import GroupNeed, best_hit, chunk_alignment, hit_limit
 from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.report import WorkerReport, report_of
 from kvtier.connector.reuse import SeenCounter
 from kvtier.directory import Directory, StorePlan
+from kvtier.geometry import NULL_BLOCK
 from kvtier.keys import Key
 from kvtier.layout import UNSERVED, GroupKind, KVCacheConfig, SlidingWindowSpec
+from kvtier.planner import place
 from kvtier.runtime import LoopThread
 from kvtier.tiers.base import Tier
-from kvtier.transfer import NULL_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -347,38 +348,22 @@ class SchedulerHalf:
         return self._seen.count(all_keys[0][chunk]) >= self.cfg.policy.store_threshold
 
     def _prepare(self, group: int, entries: list[tuple[Key, int, Key | None]]) -> list[StorePlan]:
-        """Store plans of one group's chunks. Write-through: every tier of the placement. Write-back: the first
-        tier, its victims demoted down the chain; chunks it cannot take (its room is pending writes) go to the
-        next tier instead of being lost."""
-        tiers = self._placement[group]
-        plans: list[StorePlan] = []
-        if self.cfg.policy.write is not WritePolicy.WRITE_BACK:
-            for tier in tiers:
-                plans.extend(self.directory.prepare_store(tier, self._sized(tier, entries)))
-            return plans
-        for i, tier in enumerate(tiers):
-            made = self.directory.prepare_store(tier, self._sized(tier, entries), tiers[i + 1:])
-            plans.extend(made)
-            taken = {k for p in made if p.tier == tier and p.source is None for k in p.store}
-            entries = [e for e in entries if e[0] not in taken and not self.directory.contains(tier, e[0])]
-            if not entries:
-                break
-        return plans
+        """Store plans of one group's chunks into its placement (kvtier.planner: the write policy)."""
+        return place(self.directory, self._placement[group], entries, self.cfg.policy.write, self._stored_size).plans
 
-    def _sized(self, tier: str, entries: list[tuple[Key, int, Key | None]]) -> list[tuple[Key, int, Key | None]]:
-        cost = self._tiers[tier].stored_size
-        return [(k, cost(n), p) for k, n, p in entries]
+    def _stored_size(self, tier: str, nbytes: int) -> int:
+        return self._tiers[tier].stored_size(nbytes)
 
     # ---- worker feedback and request end ---------------------------------------------------------------
     def update_connector_output(self, output: Any) -> None:
         """Finished saves become READY (those a worker reported failed are forgotten), finished async loads
         release their pins, chunks that failed to load are dropped."""
-        stats = getattr(output, "kv_connector_stats", None)
-        if not self.disabled and worker_disabled(stats):
+        report = report_of(output) or WorkerReport()
+        if not self.disabled and report.disabled:
             self.disabled = True
             logger.error("kvtier: a worker cannot read the engine's KV cache (see its log); no more hits or saves")
         if self._save_reports:
-            for req_id, tier, key, rank in failed_saves(stats):
+            for req_id, tier, key, rank in report.failed_saves:
                 if req_id in self._saving:  # late rows (a save cancelled after a timeout) are ignored
                     self._save_failures.setdefault(req_id, {}).setdefault((tier, key), set()).add(rank)
         for req_id in output.finished_sending or ():

@@ -12,38 +12,26 @@ loop=...)`` so that they share one TieredStore: the scheduler half then uses the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, KvtierConfig, TierKind, load_config
+from kvtier.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers, with_pool_slots
+from kvtier.config import KvtierConfig, TierKind, load_config
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
 from kvtier.connector.capability import prefix_resume_blocker, weights_blocker
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.plans import KVTierMetadata
+from kvtier.connector.report import WorkerReport
 from kvtier.connector.scheduler import SchedulerHalf
 from kvtier.connector.worker import WorkerHalf
 from kvtier.errors import ConnectorError
-from kvtier.layout import UNSERVED, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, dtype_name, from_vllm
+from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, dtype_name, from_vllm
 from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore, directory_for
+from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
-
-
-def rank_local(cfg: KvtierConfig, tp_rank: int, tp_size: int) -> KvtierConfig:
-    """``cfg`` for one tensor-parallel rank: with more than one rank, each disk tier gets its own subdirectory
-    ``tp<rank>-of-<size>`` of the configured path. Every rank stores its own shard of each chunk under its own
-    keys; in one directory, each rank's tier would adopt the others' files at start (its quota counting them,
-    its evictions deleting them). The capacity stays per rank, as for the memory tiers."""
-    if tp_size <= 1:
-        return cfg
-    tiers = tuple(dataclasses.replace(t, path=os.path.join(t.path, f"tp{tp_rank}-of-{tp_size}"))
-                  if isinstance(t, DiskTierConfig) else t for t in cfg.tiers)
-    return dataclasses.replace(cfg, tiers=tiers)
 
 
 def is_scheduler(role: Any) -> bool:
@@ -77,24 +65,6 @@ def config_from_vllm_model(vllm_config: Any) -> KVCacheConfig:
         raise ConnectorError("KVTierConnector needs a kv_cache_config, or a vllm_config with model_config, "
                              f"parallel_config and cache_config to derive one ({exc})") from exc
     return KVCacheConfig((KVCacheGroupSpec(tuple(f"layer.{i}" for i in range(layers)), spec),))
-
-
-def with_pool_slots(cfg: KvtierConfig, kcc: KVCacheConfig | None) -> KvtierConfig:
-    """Fix the slot size of memory pools that leave it open when groups store records of different sizes.
-
-    A pool otherwise sizes its slots by the first record it receives, which only the worker sees; with a fixed
-    slot the scheduler's directory counts exactly the bytes the worker's pool will use.
-    """
-    if kcc is None:
-        return cfg
-    sizes = {g.bytes_per_chunk(cfg.chunk_size) for g in kcc.kv_cache_groups if g.kind not in UNSERVED}
-    if len(sizes) <= 1:
-        return cfg
-    slot = min(sizes)
-    tiers = tuple(dataclasses.replace(t, slot_bytes=slot)
-                  if isinstance(t, (CpuTierConfig, GpuTierConfig)) and t.slot_bytes is None else t
-                  for t in cfg.tiers)
-    return dataclasses.replace(cfg, tiers=tiers)
 
 
 class KVTierConnector(KVConnectorBase, SupportsHMA):
@@ -150,23 +120,12 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
             tiers = {n: self._store.tier(n) for n in self._store.tier_names}
             return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop,
                                  save_reports=False, blocker=blocker)
-        from kvtier.tiers import make_tier
-
         # the scheduler plans with rank 0's keys, so it sees rank 0's disk directory (the other ranks hold the
         # same chunks, each its own shard, in theirs)
-        built = [make_tier(section, hmac_key=hmac_key(cfg)) for section in rank_local(cfg, 0, ident.tp_size).tiers]
-        directory = directory_for(cfg, built)
-        for tier in built:
-            if tier.is_memory:
-                continue  # never allocate pools on the scheduler: only sizes are needed here
-            try:
-                self._loop.run(tier.start())
-            except Exception as exc:  # an unreachable tier is a miss source, not a startup failure
-                logger.warning("tier %s unavailable to the scheduler: %r", tier.name, exc)
-                continue
-            self._sched_tiers.append(tier)
-            if not tier.is_shared:
-                directory.adopt(tier.name, ((e.key, e.size) for e in tier.entries()))
+        applied_cfg = applied(cfg, kcc, 0, ident.tp_size)
+        built = build_tiers(applied_cfg, hmac_key(cfg))
+        directory = directory_for(applied_cfg, built)
+        self._sched_tiers = self._loop.run(start_tiers(built, Role.SCHEDULER, directory))
         return SchedulerHalf(cfg, kcc, spaces, directory=directory, tiers={t.name: t for t in built},
                              loop=self._loop, tp_size=ident.tp_size, blocker=blocker)
 
@@ -176,8 +135,8 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
         if ident.tp_rank != 0 and prefix_resume_blocker(self._vllm_config, cfg.serve_without_prefix_caching) is None:
             ident = identity_from(cfg, self._vllm_config, tp_rank=ident.tp_rank)
         if self._store is None:
-            self._store = TieredStore.from_config(rank_local(cfg, ident.tp_rank, ident.tp_size),
-                                                  hmac_key=hmac_key(cfg))
+            self._store = TieredStore.from_config(cfg, hmac_key=hmac_key(cfg), kcc=kcc, role=Role.WORKER,
+                                                  rank=ident.tp_rank, tp_size=ident.tp_size)
             self._loop.run(self._store.start())
         worker = WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size,
                             strict=cfg.strict, max_backlog=cfg.policy.save_backlog)
@@ -233,6 +192,9 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.stats() if self._worker is not None else None
 
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        return self._worker.report() if self._worker is not None else None
+
     # ---- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -279,14 +241,13 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
 
     def _close_owned(self) -> Sequence[BaseException]:
         errors: list[BaseException] = []
-        closers = [t.close for t in self._sched_tiers]
+        closers = [close_tiers(self._sched_tiers)]
         if self._owns_store and self._store is not None:
-            closers.append(self._store.close)
+            closers.append(self._store.close())
         for close in closers:
             try:
-                self._loop.run(close())
+                self._loop.run(close)
             except Exception as exc:
-                logger.exception("closing a tier failed")
                 errors.append(exc)
         self._sched_tiers = []
         if self._owns_store:

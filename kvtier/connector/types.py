@@ -77,10 +77,11 @@ class KVConnectorOutput:
     finished_recving: set[str] | None = None
     kv_connector_stats: Any = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_worker_meta: Any = None
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.kv_connector_stats
-                    or self.invalid_block_ids)
+                    or self.invalid_block_ids or self.kv_connector_worker_meta)
 
 
 def _new_engine_id() -> str:

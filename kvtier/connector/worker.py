@@ -34,17 +34,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtier.connector.base import KVConnectorStats
 from kvtier.connector.counters import GroupLoad, WorkerCounters
 from kvtier.connector.keying import Identity, namespaces, rank_key
-from kvtier.connector.plans import DISABLED, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.connector.registration import derive_config, group_tensors
+from kvtier.connector.report import ReportBox, WorkerReport
 from kvtier.connector.saving import MAX_BACKLOG, SaveJob, SaveQueue
 from kvtier.directory import StorePlan
 from kvtier.errors import ConnectorError
+from kvtier.geometry import NULL_BLOCK, KVLayout, kernel_ids
 from kvtier.keys import Key
 from kvtier.layout import KVCacheConfig
-from kvtier.pages import kernel_ids
 from kvtier.runtime import LoopThread
-from kvtier.tiers.recycle import Recycler, size_class
-from kvtier.transfer import NULL_BLOCK, KVLayout, gather, gathered_shape, scatter
+from kvtier.tiers.memory.recycle import Recycler, size_class
+from kvtier.transfer import gather, gathered_shape, scatter
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +98,7 @@ class WorkerHalf:
         self._stats = WorkerCounters()
         self._queue = SaveQueue(store, self._stats, self._report_failed, max_backlog)
         self._buffers = Recycler(SAVE_BUFFERS_IDLE)
+        self._report = ReportBox()
         self.wait_timeout_s = WAIT_TIMEOUT_S
         self.async_load_timeout_s = ASYNC_LOAD_TIMEOUT_S
 
@@ -106,7 +108,7 @@ class WorkerHalf:
 
         KV tensors kvtier cannot read (an unknown layout or shape) disable it for this engine: one error is
         logged, every planned load becomes a load error (the engine recomputes), every save is reported not
-        stored, and the scheduler, told through the stats, stops planning. The engine starts and serves. With
+        stored, and the scheduler, told through the worker report, stops planning. The engine starts and serves. With
         ``strict`` the error is raised instead."""
         if self.disabled is not None:
             return
@@ -119,10 +121,11 @@ class WorkerHalf:
 
     def disable(self, reason: str) -> None:
         """Serve nothing from now on: planned loads fail (recomputed), saves are reported not stored, and the
-        scheduler, told through the stats, stops planning."""
+        scheduler, told through the worker report, stops planning."""
         self.disabled = reason
         self._layers, self._layouts, self._ratios = [], [], []
-        self._stats.add(**{DISABLED: 1})
+        self._stats.add(kvtier_disabled=1)
+        self._report.disable()
         logger.error("kvtier is disabled for this engine (it serves without the cache): %s", reason)
 
     def _register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -362,19 +365,19 @@ class WorkerHalf:
 
     def _report_failed(self, spec: SaveSpec, plans: Sequence[StorePlan] | None = None,
                        failed: Sequence[tuple[str, Key]] = ()) -> None:
-        """Tell the scheduler (through the stats) which chunks of ``spec`` were not stored, under the keys it
+        """Tell the scheduler (through the worker report) which chunks of ``spec`` were not stored, under the keys it
         planned with (rank 0's), with this worker's tensor-parallel rank: ``failed`` among this rank's
         ``plans``, or, without plans (the whole save raised), all of them. The scheduler forgets a chunk every
         rank failed instead of marking it READY, so no later lookup counts on it."""
         rank = str(self._identity.tp_rank if self._identity is not None else 0)
         if plans is None:
-            rows = [[spec.req_id, tier, key.hex(), rank] for tier, key in spec.stored_keys()]
+            rows = [(spec.req_id, tier, key, rank) for tier, key in spec.stored_keys()]
         else:
             planned = {(mine.tier, k): key for theirs, mine in zip(spec.plans, plans, strict=True)
                        for key, k in zip(theirs.store, mine.store, strict=True)}
-            rows = [[spec.req_id, tier, planned[(tier, k)].hex(), rank] for tier, k in failed
-                    if (tier, k) in planned]
-        self._stats.fail(rows)
+            rows = [(spec.req_id, tier, planned[(tier, k)], rank) for tier, k in failed if (tier, k) in planned]
+        self._stats.add(save_chunks_not_stored=len(rows))
+        self._report.fail(rows)
 
     def handle_preemptions(self) -> None:
         """Gather the saves a step left unflushed, so that preempted blocks may be reused. A save copies its
@@ -454,6 +457,10 @@ class WorkerHalf:
     def totals(self) -> dict[str, float]:
         """Every counter of this worker since it started (``stats`` hands out the counts since its last call)."""
         return self._stats.totals()
+
+    def report(self) -> WorkerReport | None:
+        """This step's report to the scheduler (kvtier.connector.report), or None."""
+        return self._report.take()
 
     def stats(self) -> KVConnectorStats | None:
         data = self._stats.take()

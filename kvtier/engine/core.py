@@ -61,7 +61,8 @@ class RequestSpec:
 
 
 class KVTierPair:
-    """Builds both KVTierConnector halves of one process over one started TieredStore (and its I/O loop).
+    """Builds both KVTierConnector halves of one process over one TieredStore (and its I/O loop), opened on the
+    first half built, for the engine's KV-cache config (kvtier.assembly, as the connector opens its own).
 
     Use as the engine's ``connector``; the engine closes it after shutting the halves down.
     """
@@ -69,27 +70,40 @@ class KVTierPair:
     def __init__(self, cfg: Any) -> None:
         from kvtier.connector.tiered import hmac_key
         from kvtier.runtime import LoopThread
-        from kvtier.store import TieredStore
 
         self.cfg = cfg
+        self._hmac_key = hmac_key(cfg)  # a missing signing key fails here, before any engine is built
         self.loop = LoopThread("kvtier-engine")
-        self.store = TieredStore.from_config(cfg, hmac_key=hmac_key(cfg))
-        try:
-            self.loop.run(self.store.start())
-        except BaseException:
-            self.loop.close()
-            raise
+        self._store: Any = None
+
+    @property
+    def store(self) -> Any:
+        """The shared TieredStore (opened by the first half built)."""
+        if self._store is None:
+            raise RuntimeError("KVTierPair: no connector half was built yet")
+        return self._store
+
+    def _open(self, kv_cache_config: KVCacheConfig) -> Any:
+        from kvtier.store import TieredStore
+
+        if self._store is None:
+            store = TieredStore.from_config(self.cfg, hmac_key=self._hmac_key, kcc=kv_cache_config)
+            self.loop.run(store.start())
+            self._store = store
+        return self._store
 
     def __call__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> KVConnectorBase:
         from kvtier.connector.tiered import KVTierConnector
 
-        return KVTierConnector.from_config(self.cfg, role, kv_cache_config, store=self.store, loop=self.loop,
+        store = self._open(kv_cache_config)
+        return KVTierConnector.from_config(self.cfg, role, kv_cache_config, store=store, loop=self.loop,
                                            vllm_config=vllm_config)
 
     def close(self) -> None:
         """Close the store, then the loop."""
         try:
-            self.loop.run(self.store.close())
+            if self._store is not None:
+                self.loop.run(self._store.close())
         finally:
             self.loop.close()
 

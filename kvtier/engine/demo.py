@@ -13,8 +13,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from kvtier.engine.model import ModelConfig
 from kvtier.engine.scheduler import EngineRequest
 from kvtier.engine.workload import ChatSpec, chat_conversations, run_chat
 from kvtier.errors import KvtierError
+from kvtier.progress import progress_bar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,27 +115,12 @@ def _phase(title: str, engine: Engine, spec: ChatSpec, model: ModelConfig, quiet
     convs = chat_conversations(spec, model.vocab_size)
     try:
         start = time.perf_counter()
-        with _progress(title, spec.users * spec.turns, quiet) as tick:
-            done = run_chat(engine, convs, lambda _req: tick())
+        with progress_bar(spec.users * spec.turns, desc=f"{title:>14}", unit="turn", enabled=not quiet) as update:
+            done = run_chat(engine, convs, lambda _req: update(1))
         seconds = time.perf_counter() - start
     finally:
         engine.close()
     return PhaseResult(done, seconds, dict(engine.stats.data))
-
-
-@contextmanager
-def _progress(title: str, total: int, quiet: bool) -> Iterator[Callable[[], None]]:
-    if quiet:
-        yield lambda: None
-        return
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc=f"{title:>14}", unit="turn", file=sys.stderr, leave=True) as bar:
-
-        def tick() -> None:
-            bar.update(1)
-
-        yield tick
 
 
 def _same_outputs(a: list[EngineRequest], b: list[EngineRequest]) -> bool:

@@ -13,9 +13,8 @@ from collections.abc import Iterable
 import torch
 
 from kvtier.engine.model import ModelConfig
+from kvtier.geometry import NULL_BLOCK
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, dtype_name
-
-NULL_BLOCK = 0
 
 
 def build_kv_cache_config(model: ModelConfig, block_size: int, num_blocks: int) -> KVCacheConfig:

@@ -6,6 +6,7 @@ Per step (vLLM's ``KVConnectorModelRunnerMixin`` order):
     per layer: wait_for_layer_load(name) -> write K/V + attention -> save_kv_layer(name, kv, attn_metadata)
     wait_for_save()                         only when there was a forward pass
     get_finished(finished_req_ids) -> get_block_ids_with_load_errors() -> get_kv_connector_stats()
+    -> build_connector_worker_meta()
     clear_connector_metadata()
 """
 
@@ -100,9 +101,10 @@ class ModelRunner:
         sending, recving = conn.get_finished(finished_req_ids)
         invalid = conn.get_block_ids_with_load_errors()
         stats = conn.get_kv_connector_stats()
+        meta = conn.build_connector_worker_meta()
         conn.clear_connector_metadata()
         return KVConnectorOutput(finished_sending=sending, finished_recving=recving, kv_connector_stats=stats,
-                                 invalid_block_ids=set(invalid))
+                                 invalid_block_ids=set(invalid), kv_connector_worker_meta=meta)
 
     def _prepare(self, out: SchedulerOutput, requests: Mapping[str, Request]
                  ) -> tuple[BatchMeta, torch.Tensor, list[str]]:

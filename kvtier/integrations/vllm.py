@@ -16,7 +16,8 @@ Chained (loads from the first child that hits, saves to all)::
 Both classes subclass vLLM's ``KVConnectorBase_V1`` and ``SupportsHMA``, take ``(vllm_config, role,
 kv_cache_config=None)``, keep vLLM's ``KVCacheConfig`` as ``_kv_cache_config`` and delegate to kvtier's
 engine-neutral connectors (``kvtier.connector.tiered.KVTierConnector`` with kvtier's role and
-``kvtier.layout.from_vllm(kv_cache_config)``; ``kvtier.connector.multi.MultiConnector`` with vLLM's objects).
+``kvtier.layout.from_vllm(kv_cache_config, vllm_config)``, the layout resolved once per start;
+``kvtier.connector.multi.MultiConnector`` with vLLM's objects).
 
 The composite is deliberately NOT called ``MultiConnector``: vLLM 0.33 special-cases that name and checks its
 children with its own rules, which reject legacy children.
@@ -43,10 +44,8 @@ child that reports some (the first child's are kept, with a warning).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.config.kv_transfer import KVTransferConfig
@@ -65,10 +64,10 @@ from kvtier.connector import base as kvbase
 from kvtier.connector.factory import ConnectorFactory
 from kvtier.connector.legacy import adapter_base
 from kvtier.connector.multi import MultiConnector, MultiConnectorStats, required_layout
+from kvtier.connector.report import ChildReports, WorkerReport
 from kvtier.connector.tiered import KVTierConnector as TieredConnector
 from kvtier.errors import ConnectorError
 from kvtier.layout import from_vllm
-from kvtier.pages import canonical_layout
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +93,9 @@ class KVTierMultiStats(MultiConnectorStats, VllmStats):  # type: ignore[misc]
     """Stats of ``KVTierMultiConnector``'s children keyed by class name, as a vLLM ``KVConnectorStats``."""
 
 
-@dataclass
-class KVTierMultiWorkerMetadata(KVConnectorWorkerMetadata):
-    """The children's worker metadata (worker -> scheduler), in config order."""
-
-    metadata: tuple[Any, ...]
-
-    def aggregate(self, other: Any) -> Any:
-        pairs = zip(self.metadata, other.metadata, strict=True)
-        return KVTierMultiWorkerMetadata(tuple(b if a is None else a if b is None else a.aggregate(b)
-                                               for a, b in pairs))
+KVTierMultiWorkerMetadata = ChildReports  # the children's worker metadata, one per child (kvtier.connector.report)
+KVConnectorWorkerMetadata.register(ChildReports)
+KVConnectorWorkerMetadata.register(WorkerReport)
 
 
 def _child_transfer_configs(kv_transfer_config: Any) -> list[Any]:
@@ -207,6 +199,9 @@ class _Facade(KVConnectorBase_V1, VllmSupportsHMA):
     def get_kv_connector_kv_cache_events(self) -> Any:
         return self._impl.get_kv_connector_kv_cache_events()
 
+    def build_connector_worker_meta(self) -> Any:
+        return self._impl.build_connector_worker_meta()
+
     def get_handshake_metadata(self) -> Any:
         return self._impl.get_handshake_metadata()
 
@@ -257,14 +252,8 @@ class KVTierConnector(_Facade):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        layout = from_vllm(kv_cache_config) if kv_cache_config is not None else None
-        if layout is not None:
-            # the layout the engine core resolved: on the KV-cache config (vLLM >= 0.32), else the cache config
-            resolved = layout.kv_layout or getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
-            if resolved is not None:
-                device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
-                layout = dataclasses.replace(layout, kv_layout=canonical_layout(resolved),
-                                             kv_packing=str(device) if device else None)
+        # the layout the engine core resolved, converted once for both halves (kvtier.layout.from_vllm)
+        layout = from_vllm(kv_cache_config, vllm_config) if kv_cache_config is not None else None
         self._impl = _TieredForVllm(vllm_config, to_kvtier_role(role), layout)
 
     @property
@@ -381,22 +370,6 @@ class KVTierMultiConnector(_Facade):
             raise ConnectorError("several child connectors provide a KV-cache memory pool; the KV cache is "
                                  "allocated once: configure a custom pool on one child at most")
         return pools[0] if pools else None
-
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        metas = tuple(c.build_connector_worker_meta() for c in self._impl.sub_connectors)
-        return None if all(m is None for m in metas) else KVTierMultiWorkerMetadata(metas)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if not isinstance(meta, KVTierMultiWorkerMetadata):
-            self._impl.update_connector_output(connector_output)
-            return
-        try:  # each child sees its own worker metadata
-            for child, child_meta in zip(self._impl.sub_connectors, meta.metadata, strict=True):
-                connector_output.kv_connector_worker_meta = child_meta
-                child.update_connector_output(connector_output)
-        finally:
-            connector_output.kv_connector_worker_meta = meta
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from kvtier.bench import throughput
-from kvtier.bench.measure import Spread, drop_page_cache, interleave, paired_ratio, redis_server, same_bytes
+from kvtier.bench.measure import Spread, drop_page_cache, interleave, paired_ratio, same_bytes
+from kvtier.bench.redis_servers import redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_worker_half import A_IDS, B_IDS, KCC, TOKENS, C, Engine, make_cfg, paged
 
+from kvtier.assembly import Role
 from kvtier.config import DiskTierConfig, PolicyConfig, WritePolicy
 from kvtier.connector import worker as worker_module
 from kvtier.connector.plans import KVTierMetadata, SaveSpec
@@ -25,7 +26,7 @@ from kvtier.directory import StorePlan
 from kvtier.keys import Key
 from kvtier.runtime import LoopThread
 from kvtier.store import TieredStore
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.transfer import KVLayout, gather
 
 KEYS = tuple(Key(bytes([i]) * 32) for i in range(1, 5))
@@ -47,7 +48,7 @@ class GatedDiskTier(DiskTier):
 def gated(tmp_path: Path):  # type: ignore[no-untyped-def]
     tier = GatedDiskTier(tmp_path / "kv")
     loop = LoopThread()
-    store = TieredStore([tier])
+    store = TieredStore([tier], None, role=Role.WORKER)
     loop.run(store.start())
     kv = paged(7)
     worker = WorkerHalf(KCC, store, loop, chunk_size=C)
@@ -105,7 +106,9 @@ def test_saves_past_the_backlog_are_skipped_reported_and_still_evict(gated) -> N
     stats = worker.stats()
     assert stats is not None
     assert stats.data["save_skipped_busy"] == 1
-    assert stats.data["failed_saves"] == [["b", "disk", KEYS[1].hex(), "0"]]  # the scheduler forgets it
+    assert "failed_saves" not in stats.data  # stats only count: the rows travel in the worker report
+    report = worker.report()
+    assert report is not None and report.failed_saves == [("b", "disk", KEYS[1], "0")]  # the scheduler forgets it
     a, b, old = stored(loop, tier, [KEYS[0], KEYS[1], KEYS[3]])
     assert a is not None and b is None
     assert old is None  # the skipped plan's eviction ran: the directory had counted that room as free
@@ -129,7 +132,8 @@ def test_with_nothing_queued_a_save_larger_than_the_backlog_is_taken(gated) -> N
     assert [v is not None for v in stored(loop, tier, KEYS)] == [True, True, False, True]
     stats = worker.stats()
     assert stats is not None and stats.data["save_skipped_busy"] == 2
-    assert [row[0] for row in stats.data["failed_saves"]] == ["late", "late"]
+    report = worker.report()
+    assert report is not None and [row[0] for row in report.failed_saves] == ["late", "late"]
 
 
 def test_a_save_step_cancelled_before_it_ran_leaves_the_backlog(gated) -> None:  # type: ignore[no-untyped-def]
@@ -168,7 +172,8 @@ def test_a_stuck_save_is_abandoned_and_frees_its_request(gated, monkeypatch) -> 
     assert sending == {"r"}
     stats = worker.stats()
     assert stats is not None
-    assert stats.data["save_timeouts"] == 1 and stats.data["failed_saves"] == [["r", "disk", KEYS[0].hex(), "0"]]
+    report = worker.report()
+    assert stats.data["save_timeouts"] == 1 and report is not None and report.failed_saves == [("r", "disk", KEYS[0], "0")]
     assert worker._queue.backlog == 0
 
 

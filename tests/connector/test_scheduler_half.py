@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from redis_servers import RedisServer
 
+from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, RedisTierConfig, WritePolicy
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces, request_extra, request_keys

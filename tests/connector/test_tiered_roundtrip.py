@@ -51,7 +51,8 @@ def step(sched: KVTierConnector, work: KVTierConnector, out: SchedulerOutput) ->
     work.start_load_kv(None)
     work.wait_for_save()
     sending, recving = work.get_finished(out.finished_req_ids)
-    result = KVConnectorOutput(sending, recving, work.get_kv_connector_stats(), work.get_block_ids_with_load_errors())
+    result = KVConnectorOutput(sending, recving, work.get_kv_connector_stats(), work.get_block_ids_with_load_errors(),
+                               work.build_connector_worker_meta())
     work.clear_connector_metadata()
     result = pickle.loads(pickle.dumps(result))
     if not result.is_empty():
@@ -288,8 +289,8 @@ def test_a_save_the_worker_could_not_store_is_forgotten_by_the_scheduler(tmp_pat
         work.flush_saves()
         outs.append(step(sched, work, SchedulerOutput(finished_req_ids={"A"})))
         assert outs[-1].finished_sending == {"A"}
-        reported = [row for out in outs if out.kv_connector_stats is not None
-                    for row in out.kv_connector_stats.data.get("failed_saves", [])]
+        reported = [row for out in outs if out.kv_connector_worker_meta is not None
+                    for row in out.kv_connector_worker_meta.failed_saves]
         assert len(reported) == 2 * 5 and {row[0] for row in reported} == {"A"}  # both groups, 5 chunks each
         b = Request("B", B_TOKENS)
         assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
@@ -298,21 +299,32 @@ def test_a_save_the_worker_could_not_store_is_forgotten_by_the_scheduler(tmp_pat
         work.shutdown()
 
 
-def test_failed_save_rows_survive_aggregation_and_multi_connector_nesting() -> None:
-    from kvtier.connector.base import KVConnectorStats
-    from kvtier.connector.counters import failed_saves
-    from kvtier.connector.multi import MultiConnectorStats
+def test_worker_reports_aggregate_over_ranks_and_reach_each_child_of_a_multi_connector() -> None:
+    """The report travels through the worker-metadata hook: aggregated over ranks by the engine, split per child
+    by a multi connector (each child sees its own), never through stats."""
+    from kvtier.connector.multi import MultiConnector
+    from kvtier.connector.report import ChildReports, WorkerReport
 
     key = bytes(range(32))
-    rank0 = KVConnectorStats({"save_chunks": 2, "failed_saves": [["A", "disk", key.hex(), "0"]]})
-    rank1 = KVConnectorStats({"save_chunks": 1, "failed_saves": [["A", "disk", key.hex(), "1"]]})
+    rank0 = WorkerReport([("A", "disk", key, "0")])
+    rank1 = WorkerReport([("A", "disk", key, "1")], disabled=True)
     merged = rank0.aggregate(rank1)
-    assert merged.data["save_chunks"] == 3 and merged.reduce() == {"save_chunks": 3}
-    assert failed_saves(merged) == [("A", "disk", key, "0"), ("A", "disk", key, "1")]
-    nested = MultiConnectorStats({"KVTierConnector": merged, "Other": KVConnectorStats({"loads": 1})})
-    assert failed_saves(nested) == failed_saves(merged)
-    assert failed_saves(KVConnectorStats({"failed_saves": [["A", "disk", key.hex()], ["B", "d", "zz", "0"]]})) == []
-    assert failed_saves(None) == []
+    assert merged.failed_saves == [("A", "disk", key, "0"), ("A", "disk", key, "1")] and merged.disabled
+    assert not WorkerReport() and pickle.loads(pickle.dumps(merged)) == merged
+    nested = ChildReports((None, rank0)).aggregate(ChildReports((None, rank1)))
+    assert nested == ChildReports((None, merged))
+
+    seen: list[Any] = []
+
+    class Child:
+        def update_connector_output(self, output: Any) -> None:
+            seen.append(output.kv_connector_worker_meta)
+
+    multi = object.__new__(MultiConnector)
+    multi._connectors = [Child(), Child()]  # type: ignore[attr-defined]
+    output = KVConnectorOutput(kv_connector_worker_meta=nested)
+    multi.update_connector_output(output)
+    assert seen == [None, merged] and output.kv_connector_worker_meta is nested
 
 
 def tp_ident(cfg: KvtierConfig, rank: int) -> Any:
@@ -323,7 +335,7 @@ def tp_ident(cfg: KvtierConfig, rank: int) -> Any:
 def run_tp_step(sched: KVTierConnector, workers: list[KVTierConnector], out: SchedulerOutput,
                 sending: dict[str, int]) -> KVConnectorOutput:
     """One engine step with every rank executing the same metadata; outputs merged as vLLM's aggregator does (a
-    request is finished sending once every rank reported it; stats aggregated)."""
+    request is finished sending once every rank reported it; stats and worker reports aggregated)."""
     meta = pickle.dumps(sched.build_connector_meta(out))
     merged = KVConnectorOutput(set(), set(), None, set())
     for w in workers:
@@ -337,6 +349,10 @@ def run_tp_step(sched: KVTierConnector, workers: list[KVTierConnector], out: Sch
         if stats is not None:
             merged.kv_connector_stats = stats if merged.kv_connector_stats is None else \
                 merged.kv_connector_stats.aggregate(stats)
+        report = w.build_connector_worker_meta()
+        if report is not None:
+            merged.kv_connector_worker_meta = report if merged.kv_connector_worker_meta is None else \
+                merged.kv_connector_worker_meta.aggregate(report)
         w.clear_connector_metadata()
     merged.finished_sending = {r for r, n in sending.items() if n == len(workers)}
     for req_id in merged.finished_sending:
@@ -371,8 +387,8 @@ def test_a_chunk_is_forgotten_only_when_every_tensor_parallel_rank_failed_it(tmp
             w.flush_saves()
         outs.append(run_tp_step(sched, workers, SchedulerOutput(finished_req_ids={"A"}), sending))
         assert outs[-1].finished_sending == {"A"}
-        rows = [row for out in outs if out.kv_connector_stats is not None
-                for row in out.kv_connector_stats.data.get("failed_saves", [])]
+        rows = [row for out in outs if out.kv_connector_worker_meta is not None
+                for row in out.kv_connector_worker_meta.failed_saves]
         assert len(rows) == 5 + 2 * 5 and {row[3] for row in rows} == {"0", "1"}
         tracked = {key[:16]: [] for _, key in saved}
         for tier, key in saved:

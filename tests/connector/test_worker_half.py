@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvtier.assembly import Role
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, WritePolicy
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces, request_keys
@@ -28,7 +29,7 @@ from kvtier.keys import Key
 from kvtier.layout import simple_config
 from kvtier.runtime import LoopThread
 from kvtier.store import TieredStore
-from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.memory.cpu import CpuTier
 from kvtier.transfer import KVLayout, gather
 
 C, BS, NB = 8, 4, 48
@@ -264,8 +265,9 @@ def test_a_paged_layout_that_disagrees_with_the_config_disables_kvtier_or_fails_
         assert worker.disabled.endswith("Set strict: true in kvtier's config to fail at start instead")
         assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
             f"kvtier is disabled for this engine (it serves without the cache): {worker.disabled}"]
-        stats = work.get_kv_connector_stats()
+        stats, report = work.get_kv_connector_stats(), work.build_connector_worker_meta()
         assert stats is not None and stats.data["kvtier_disabled"] == 1
+        assert report is not None and report.disabled and work.build_connector_worker_meta() is None  # said once
     finally:
         work.shutdown()
     strict = dataclasses.replace(make_cfg(tmp_path, ("cpu",)), strict=True)
@@ -330,7 +332,7 @@ CHUNK_BLOCKS = ((21, 22), (23, 24))
 
 def bounded_worker(tier: CpuTier, kv: dict[str, torch.Tensor]) -> tuple[WorkerHalf, LoopThread]:
     loop = LoopThread()
-    store = TieredStore([tier])
+    store = TieredStore([tier], None, role=Role.WORKER)
     loop.run(store.start())
     worker = WorkerHalf(KCC, store, loop, chunk_size=C)
     worker.register_kv_caches(kv)
@@ -420,7 +422,7 @@ def test_a_group_of_mixed_layer_specs_disables_kvtier_on_the_worker() -> None:
     mixed = KVCacheConfig((KVCacheGroupSpec(KCC.kv_cache_groups[0].layer_names,
                                             OtherSpec(BS, name="UniformTypeKVCacheSpecs(mixed)")),), NB)
     loop = LoopThread()
-    store = TieredStore([CpuTier(CpuTierConfig("cpu", 1 << 20))])
+    store = TieredStore([CpuTier(CpuTierConfig("cpu", 1 << 20))], None, role=Role.WORKER)
     loop.run(store.start())
     worker = WorkerHalf(mixed, store, loop, chunk_size=C)
     try:
@@ -441,7 +443,8 @@ def test_a_save_whose_copy_fails_is_reported_not_stored(tmp_path: Path) -> None:
         worker.wait_for_save()  # no exception
         stats = worker.stats()
         assert stats is not None and stats.data["save_failures"] == 2
-        assert sorted(row[2] for row in stats.data["failed_saves"]) == sorted(k.hex() for k in CHUNK_KEYS)
+        report = worker.report()
+        assert report is not None and sorted(row[2] for row in report.failed_saves) == sorted(CHUNK_KEYS)
         assert worker.get_finished({"s"})[0] == {"s"}  # the request's blocks are freed
     finally:
         worker.close()

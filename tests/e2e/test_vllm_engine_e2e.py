@@ -208,7 +208,7 @@ def test_negative_controls_a_record_under_the_wrong_key_is_refused_a_forged_one_
     outputs above depend on the loaded KV."""
     from kvtier import codec
     from kvtier.keys import chunk_keys
-    from kvtier.tiers.disk_index import Layout
+    from kvtier.tiers.disk.index import Layout
 
     kv = workdir / "kv"
     config = kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {kv}}}]")
@@ -258,7 +258,7 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
     """``vllm serve`` (the OpenAI server) with kvtier and vLLM's prefix cache off (by choice, so kvtier's config
     says ``serve_without_prefix_caching``): two HTTP completions sharing a 260-token prefix; the second one's
     prompt comes 256 tokens from kvtier."""
-    from redis_servers import free_port
+    from kvtier.bench.redis_servers import free_port
 
     model, dtype = models("llama")
     config = disk_config(workdir)

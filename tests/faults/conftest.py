@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import faultkit` from every module here
 
-from redis_servers import RedisServer
+from kvtier.bench.redis_servers import RedisServer
 
 
 @pytest.fixture

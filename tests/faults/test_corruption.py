@@ -25,8 +25,8 @@ from faultkit import (
     run_faulted,
     tier_section,
 )
-from redis_servers import RedisServer
 
+from kvtier.bench.redis_servers import RedisServer
 from kvtier.codec import HEADER_SIZE, decode
 from kvtier.engine import KVTierPair
 

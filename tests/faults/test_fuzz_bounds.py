@@ -20,13 +20,13 @@ import torch
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from redis_servers import RedisServer
 
 from kvtier import codec
+from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import DiskTierConfig, RedisTierConfig
 from kvtier.errors import CorruptRecord
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.redis.tier import RedisTier
 
 KEY = bytes(range(32))
 

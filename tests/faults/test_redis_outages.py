@@ -26,8 +26,8 @@ from faultkit import (
     tier_section,
     wait_breaker_closed,
 )
-from redis_servers import RedisServer
 
+from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import KvtierConfig
 from kvtier.connector.scheduler import LOOKUP_TIMEOUT_S
 from kvtier.engine import KVTierPair

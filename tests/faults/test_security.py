@@ -38,10 +38,10 @@ from faultkit import (
     run_faulted,
     tier_section,
 )
-from redis_servers import RedisServer
 
+from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import SecurityConfig
-from kvtier.engine import KVTierPair
+from kvtier.engine import Engine, EngineArgs, KVTierPair
 from kvtier.errors import ConfigError, TierUnavailable
 from kvtier.security import MIN_KEY_BYTES, load_hmac_key
 
@@ -249,7 +249,7 @@ def test_wrong_redis_password_fails_clearly_without_the_password(where: str, red
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", wrong)
     caplog.set_level(logging.DEBUG)
     with pytest.raises(TierUnavailable, match="authentication failed") as err:
-        KVTierPair(make_config([tier_section("redis", url=url)]))
+        Engine(EngineArgs(), KVTierPair(make_config([tier_section("redis", url=url)])))  # opens the store
     assert wrong not in chain_text(err.value) and wrong not in caplog.text
 
 

@@ -12,7 +12,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from redis_servers import RedisServer
+
+from kvtier.bench.redis_servers import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kvtier.errors import ConnectorError
-from kvtier.pages import STRIDE_ORDERS, kernel_ids, page_view
-from kvtier.transfer import NULL_BLOCK, KVLayout, gather, page_rows, scatter
+from kvtier.geometry import NULL_BLOCK, STRIDE_ORDERS, KVLayout, kernel_ids
+from kvtier.kvcopy.paged import page_rows
+from kvtier.pages import page_view
+from kvtier.transfer import gather, scatter
 
 DENSE = {"LBHNC", "LBNHC", "BLHNC", "BLNHC"}  # a block's page of one layer is one run of memory
 

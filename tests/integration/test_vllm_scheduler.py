@@ -72,6 +72,7 @@ class Engine:
             self.worker.wait_for_save()
         results = self.worker.get_transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
+        report = self.worker.build_connector_worker_meta()  # as vLLM's runner: the worker-metadata hook
         self.worker.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
         stats = self.worker.get_kv_connector_stats()
@@ -79,7 +80,7 @@ class Engine:
             self.stats.append(stats)
         output = KVConnectorOutput(finished_sending=results.finished_sending or None,
                                    finished_recving=results.finished_recving or None, invalid_block_ids=errors,
-                                   kv_connector_stats=stats)
+                                   kv_connector_stats=stats, kv_connector_worker_meta=report)
         self.scheduler.update_from_output(so, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[5] for _ in ids],
             kv_connector_output=output))

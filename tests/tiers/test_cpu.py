@@ -12,10 +12,10 @@ from contract import TierContract, assert_same, key, rand
 from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, RedisTierConfig
 from kvtier.tiers import TIERS, make_tier, tier_class
 from kvtier.tiers.base import Tier
-from kvtier.tiers.copies import copy_pieces
-from kvtier.tiers.cpu import CpuTier
-from kvtier.tiers.free_runs import FreeRuns
-from kvtier.tiers.pool import SlotPool
+from kvtier.tiers.memory.copies import copy_pieces
+from kvtier.tiers.memory.cpu import CpuTier
+from kvtier.tiers.memory.free_runs import FreeRuns
+from kvtier.tiers.memory.pool import SlotPool
 
 
 class TestCpuContract(TierContract):
@@ -35,7 +35,7 @@ def test_registry_is_lazy_and_complete() -> None:
     assert set(TIERS) == {"gpu", "cpu", "disk", "redis"}
     assert tier_class("cpu") is CpuTier
     assert tier_class("gpu").__name__ == "GpuTier" and tier_class("disk").__name__ == "DiskTier"
-    assert TIERS["redis"] == "kvtier.tiers.redis:RedisTier"
+    assert TIERS["redis"] == "kvtier.tiers.redis.tier:RedisTier"
     with pytest.raises(ValueError, match="unknown tier kind 'tape'"):
         tier_class("tape")
 

@@ -21,8 +21,8 @@ from kvtier.config import DiskTierConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers import make_tier
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_io import READ_PIECE, READ_STREAMS
+from kvtier.tiers.disk.io import READ_PIECE, READ_STREAMS
+from kvtier.tiers.disk.tier import DiskTier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,8 +87,8 @@ import asyncio, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from contract import key, rand
 from kvtier.config import DiskTierConfig
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_io import READ_PIECE, READ_STREAMS
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.disk.io import READ_PIECE, READ_STREAMS
 async def main():
     t = DiskTier(DiskTierConfig(name="d", capacity=1 << 24, path={str(root)!r}))
     await t.start()

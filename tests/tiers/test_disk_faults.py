@@ -15,7 +15,7 @@ import pytest
 from contract import assert_same, key, rand
 
 from kvtier.config import DiskTierConfig
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -24,7 +24,7 @@ import asyncio, json, random, sys
 sys.path.insert(0, {str(HERE)!r})
 from contract import key, rand, raw
 from kvtier.config import DiskTierConfig
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 def shape(i): return (64 + i % 7, 1024)  # 256-283 KiB records, content derived from the key index
 """
 

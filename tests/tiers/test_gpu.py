@@ -12,7 +12,7 @@ from kvtier.config import GpuTierConfig
 from kvtier.errors import TierUnavailable
 from kvtier.tiers import make_tier
 from kvtier.tiers.base import Tier
-from kvtier.tiers.gpu import GpuTier
+from kvtier.tiers.memory.gpu import GpuTier
 
 
 class TestGpuTierOnCpuDevice(TierContract):

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kvtier.tiers.recycle import ALIGN, GROUP_BYTES, GROUP_ITEM_MAX, LINE, PAGE_ALIGNED_FROM, Recycler
+from kvtier.tiers.memory.recycle import ALIGN, GROUP_BYTES, GROUP_ITEM_MAX, LINE, PAGE_ALIGNED_FROM, Recycler
 
 
 def test_memory_is_reused_only_after_every_view_is_dropped() -> None:

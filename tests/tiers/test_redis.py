@@ -17,12 +17,12 @@ import pytest
 import redis
 import torch
 from contract import assert_same, rand
-from redis_servers import RedisClusterServers, RedisServer
 
 from kvtier import codec
+from kvtier.bench.redis_servers import RedisClusterServers, RedisServer
 from kvtier.config import RedisTierConfig
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_bulk import part_name, parts_of
+from kvtier.tiers.redis.bulk import part_name, parts_of
+from kvtier.tiers.redis.tier import RedisTier
 
 NS_A = b"namespace-A-0000"
 NS_B = b"namespace-B-0000"
@@ -238,7 +238,7 @@ async def test_cluster_flag_with_plain_url(make: Make, redis_cluster: RedisClust
 WRITER = textwrap.dedent("""
     import asyncio, sys, torch
     from kvtier.config import RedisTierConfig
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.redis.tier import RedisTier
 
     async def main(url, prefix):
         tier = RedisTier(RedisTierConfig(name="redis", capacity=1 << 30, url=url, key_prefix=prefix, timeout=5.0))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.tiers.redis_breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.redis.breaker import BreakerState, CircuitBreaker
 
 
 class Clock:

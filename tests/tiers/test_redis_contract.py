@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 
 import pytest
 from contract import TierContract
-from redis_servers import RedisClusterServers, RedisServer
 
+from kvtier.bench.redis_servers import RedisClusterServers, RedisServer
 from kvtier.config import RedisTierConfig
 from kvtier.tiers import make_tier
 from kvtier.tiers.base import Tier

@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 
 import pytest
 from contract import assert_same, rand
-from redis_servers import RedisServer
 
+from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import RedisTierConfig
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_breaker import BreakerState
+from kvtier.tiers.redis.breaker import BreakerState
+from kvtier.tiers.redis.tier import RedisTier
 
 TIMEOUT = 0.2
 BOUND = 10 * TIMEOUT

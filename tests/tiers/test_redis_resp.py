@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from redis_servers import RedisServer
 
-from kvtier.tiers.redis_resp import RespConnection, RespError, RespPool, pack
+from kvtier.bench.redis_servers import RedisServer
+from kvtier.tiers.redis.resp import RespConnection, RespError, RespPool, pack
 
 
 async def opened(srv: RedisServer, timeout: float = 2.0, **kw: object) -> RespConnection:

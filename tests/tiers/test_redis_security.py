@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 from contract import assert_same, rand
-from redis_servers import RedisServer, TlsFiles
 
+from kvtier.bench.redis_servers import RedisServer, TlsFiles
 from kvtier.config import RedisTierConfig
 from kvtier.errors import ConfigError, TierUnavailable
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_conf import parse_endpoint, redact
+from kvtier.tiers.redis.conf import parse_endpoint, redact
+from kvtier.tiers.redis.tier import RedisTier
 
 KEY = b"namespace-A-0000" + bytes(16)
 SECRET = "s3cr3t-Pa55"
@@ -95,7 +95,7 @@ async def test_password_from_env_and_acl_user(redis_factory: Callable[..., Redis
 
 
 async def test_unreachable_at_start_is_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
-    from redis_servers import free_port
+    from kvtier.bench.redis_servers import free_port
 
     tier = RedisTier(section(f"redis://u:{SECRET}@127.0.0.1:{free_port()}/0", timeout=0.2, connect_timeout=0.5),
                      env={})

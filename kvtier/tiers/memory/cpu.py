@@ -1,5 +1,5 @@
 """The cpu tier: a slot pool in host memory, pinned (page-locked) when CUDA is present so that copies to and
-from the GPU run at full PCIe speed. See ``kvtier.tiers.pool`` for the lifecycle and the slot rules.
+from the GPU run at full PCIe speed. See ``kvtier.tiers.memory.pool`` for the lifecycle and the slot rules.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 import torch
 
 from kvtier.config import CpuTierConfig, TierConfig
-from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.memory.pool import PoolTier
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from kvtier import codec
 from kvtier.errors import CorruptRecord
-from kvtier.tiers.redis_bulk import HEAD_PROBE, GetResult, length_from_probe, part_name, parts_of
+from kvtier.tiers.redis.bulk import HEAD_PROBE, GetResult, length_from_probe, part_name, parts_of
 
 
 async def pipeline(client: Any, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:

@@ -7,10 +7,11 @@ Lifecycle: ``RedisTier(section)`` -> ``await start()`` (connects, checks credent
 Keys are ``{key_prefix}:{namespace digest hex}:{chunk hash hex}``; values are ``kvtier.codec`` records. A record
 of 4 MiB or more is stored in parts of 2-4 MiB, the head under that key and part k under ``{<key>}:k`` (same
 cluster slot), because Redis's allocator makes values above 8 MiB cost about three times more server CPU
-(``redis_bulk`` has the details). Small commands (EXISTS, DEL, PING) and cluster routing use redis-py. Record
-values move over kvtier's own RESP connections (``redis_resp``): read straight into the result tensor (buffers
-recycled by ``kvtier.tiers.recycle``), written with scatter-gather, spread over ``connections`` sockets per server (per
-cluster node). With ``rediss://`` everything goes through redis-py (``redis_plain``), in the same layout.
+(``.bulk`` has the details). Small commands (EXISTS, DEL, PING) and cluster routing use redis-py. Record
+values move over kvtier's own RESP connections (``.resp``): read straight into the result tensor (buffers
+recycled by ``kvtier.tiers.memory.recycle``), written with scatter-gather, spread over ``connections``
+sockets per server (per cluster node). With ``rediss://`` everything goes through redis-py (``.plain``), in the
+same layout.
 
 Failures never reach the caller: a timeout, a connection error or a server error is a miss (``False`` /
 ``None``), counted in ``stats()`` (``errors``, ``timeouts``, ``extra``: breaker state / opens / rejected calls,
@@ -47,13 +48,13 @@ from kvtier.config import RedisTierConfig
 from kvtier.errors import TierUnavailable
 from kvtier.keys import Key
 from kvtier.layout import dtype_name
-from kvtier.tiers import redis_plain
 from kvtier.tiers.base import Tier, TierStats, Timer
-from kvtier.tiers.recycle import Recycler
-from kvtier.tiers.redis_breaker import CircuitBreaker
-from kvtier.tiers.redis_bulk import GetResult, get_records, record_commands, set_records
-from kvtier.tiers.redis_conf import RedisEndpoint, parse_endpoint
-from kvtier.tiers.redis_resp import RespError, RespPool
+from kvtier.tiers.memory.recycle import Recycler
+from kvtier.tiers.redis import plain as redis_plain
+from kvtier.tiers.redis.breaker import CircuitBreaker
+from kvtier.tiers.redis.bulk import GetResult, get_records, record_commands, set_records
+from kvtier.tiers.redis.conf import RedisEndpoint, parse_endpoint
+from kvtier.tiers.redis.resp import RespError, RespPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

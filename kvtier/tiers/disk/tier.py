@@ -16,7 +16,7 @@ Reads of one ``get``: small records (under ``SMALL_RECORD`` on average) first
 go through one call that reads each only if the page cache holds all of it (``RWF_NOWAIT``); the rest, and
 large records, go in at most ``READ_STREAMS`` calls (runs of records of similar size), so that a device has
 several reads in flight. A read goes straight into the returned tensor's memory, recycled from results the
-caller dropped (``kvtier.tiers.recycle``: already touched, never reused while held, payload page-aligned; small
+caller dropped (``kvtier.tiers.memory.recycle``: already touched, never reused while held, payload page-aligned; small
 records of one call share a buffer), and hashes each piece as it arrives instead of in a second pass.
 The index is only touched on the event loop thread, so it needs no lock.
 """
@@ -37,8 +37,8 @@ from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.keys import Key
 from kvtier.runtime import background_thread
 from kvtier.tiers.base import Tier, TierEntry, Timer
-from kvtier.tiers.disk_index import DIR_MODE, Layout, scan
-from kvtier.tiers.disk_io import (
+from kvtier.tiers.disk.index import DIR_MODE, Layout, scan
+from kvtier.tiers.disk.io import (
     NOWAIT_FLAGS,
     READ_STREAMS,
     SMALL_RECORD,
@@ -47,7 +47,7 @@ from kvtier.tiers.disk_io import (
     read_records,
     write_record,
 )
-from kvtier.tiers.recycle import DEFAULT_MAX_IDLE, Recycler
+from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import xxhash
 
 from kvtier import codec
 from kvtier.errors import CorruptRecord
-from kvtier.tiers.redis_resp import RespConnection, RespProtocolError
+from kvtier.tiers.redis.resp import RespConnection, RespProtocolError
 
 PART = 2 << 20
 WINDOW = 4 << 20

@@ -1,12 +1,15 @@
-"""Real ``redis-server`` processes on free loopback ports for tests and benchmarks.
+"""Real ``redis-server`` processes on free loopback ports, for the benchmarks and the tests.
 
 ``RedisServer`` starts one standalone server (``--save "" --appendonly no``) and can kill, restart on the same
 port, pause (SIGSTOP or ``CLIENT PAUSE``) and resume it. ``RedisClusterServers`` starts a 3-master cluster
 (``--cluster-enabled yes`` + ``redis-cli --cluster create``). Everything started is killed by ``stop()``.
+``redis_server()`` is the short form a benchmark uses: a private server for the length of a ``with``, its URL.
+Needs the ``redis-server`` and ``redis-cli`` commands (and ``openssl`` for :class:`TlsFiles`), not redis-py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +18,7 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,11 +143,14 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < deadline:
             # the answer must come from our process, not from another test's server on a recycled port
-            if _ping(self.port, self.password, self.tls) and f"process_id:{self.proc.pid}" in self.cli("INFO", "server"):
+            if _ping(self.port, self.password, self.tls) and self._is_ours(self.proc.pid):
                 return True
             time.sleep(0.02)
         self.kill()
         return False
+
+    def _is_ours(self, pid: int) -> bool:
+        return f"process_id:{pid}" in self.cli("INFO", "server")
 
     def cli(self, *args: str, timeout: float = 10.0) -> str:
         """Run ``redis-cli`` against this server and return its stdout."""
@@ -243,3 +249,15 @@ class RedisClusterServers:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def redis_server(maxmemory: str = "2gb", timeout: float = 10.0) -> Iterator[str]:
+    """Run a private standalone server (no persistence) on a free loopback port; yield its URL; kill it after."""
+    if shutil.which(REDIS_SERVER) is None:
+        raise RuntimeError("redis-server is not installed")
+    server = RedisServer(maxmemory=maxmemory)
+    try:
+        yield server.start(timeout).url
+    finally:
+        server.stop()

@@ -29,8 +29,8 @@ from kvtier.codec import (
 from kvtier.errors import CorruptRecord
 from kvtier.keys import Key
 from kvtier.layout import dtype_name
-from kvtier.tiers.disk_index import Layout
-from kvtier.tiers.recycle import Recycler
+from kvtier.tiers.disk.index import Layout
+from kvtier.tiers.memory.recycle import Recycler
 
 
 def _payload_view(tensor: torch.Tensor) -> memoryview:

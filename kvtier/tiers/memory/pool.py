@@ -26,9 +26,9 @@ import torch
 
 from kvtier.keys import Key
 from kvtier.tiers.base import Tier, Timer
-from kvtier.tiers.copies import Piece, copy_pieces
-from kvtier.tiers.free_runs import FreeRuns, Run, round_up
-from kvtier.tiers.recycle import DEFAULT_MAX_IDLE, Recycler
+from kvtier.tiers.memory.copies import Piece, copy_pieces
+from kvtier.tiers.memory.free_runs import FreeRuns, Run, round_up
+from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
 
 log = logging.getLogger(__name__)
 

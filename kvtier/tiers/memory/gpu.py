@@ -1,5 +1,5 @@
 """The gpu tier: a slot pool in one tensor on a torch device (``cuda:N`` in production, ``cpu`` in tests).
-See ``kvtier.tiers.pool`` for the lifecycle and the slot rules. ``get`` returns tensors on that device.
+See ``kvtier.tiers.memory.pool`` for the lifecycle and the slot rules. ``get`` returns tensors on that device.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from kvtier.config import GpuTierConfig, TierConfig
 from kvtier.errors import TierUnavailable
-from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.memory.pool import PoolTier
 
 
 class GpuTier(PoolTier):

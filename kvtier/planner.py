@@ -1,5 +1,5 @@
-"""The write/placement policy: which tiers a batch of chunks goes to. One function, used by the single-process
-store (``TieredStore.put``, promotions) and by the connector's scheduler half.
+"""The write/placement policy: which tiers a batch of chunks goes to. ``place``, used by the single-process store
+(``TieredStore.put``) and by the connector's scheduler half; ``promote`` for chunks read from slower tiers.
 
 * write-back: the first tier of the chain, its victims demoted down the chain; chunks it cannot take (too large,
   or its room is pending writes) go to the next tier instead, and so on down the chain.
@@ -39,6 +39,15 @@ def place(directory: Directory, chain: Sequence[str], entries: Sequence[Entry], 
         plans, left = _write_through(directory, list(chain), list(entries), stored_size)
     directory.count_unplaced(len(left))
     return Placement(plans, left)
+
+
+def promote(directory: Directory, chain: Sequence[str], entries: Sequence[Entry],
+            stored_size: Callable[[str, int], int]) -> list[StorePlan]:
+    """Plans copying chunks read from slower tiers into the first tier of ``chain``, its victims demoted down the
+    chain; a chunk the first tier refuses is not planned anywhere (it stays where it was read from)."""
+    if not chain:
+        return []
+    return directory.prepare_store(chain[0], _sized(chain[0], entries, stored_size), list(chain[1:]))
 
 
 def _sized(tier: str, entries: Sequence[Entry], stored_size: Callable[[str, int], int]) -> list[Entry]:

@@ -21,7 +21,7 @@ from kvtier.config import KvtierConfig, WritePolicy
 from kvtier.directory import Directory, StorePlan
 from kvtier.keys import Key
 from kvtier.layout import KVCacheConfig
-from kvtier.planner import place
+from kvtier.planner import place, promote
 from kvtier.tiers.base import Borrowing, Tier, TierStats
 
 if TYPE_CHECKING:
@@ -49,7 +49,6 @@ class TieredStore:
         self._order = [t.name for t in tiers]
         self._directory = directory
         self._role = role
-        self._started: list[Tier] = []
         self.write_policy = write
         self.promote_on_hit = promote_on_hit
 
@@ -78,7 +77,7 @@ class TieredStore:
 
     async def start(self) -> None:
         """Start the tiers (kvtier.assembly.start_tiers: persistent ones adopted into the directory)."""
-        self._started = await start_tiers([self._tiers[n] for n in self._order], self._role, self._directory)
+        await start_tiers([self._tiers[n] for n in self._order], self._role, self._directory)
 
     async def close(self) -> None:
         """Close every tier (started or not: a tier's close is safe either way); re-raise once."""
@@ -135,7 +134,7 @@ class TieredStore:
             promote = [(keys[i], out[i]) for i, name in enumerate(result.tiers)
                        if name != chain[0] and out[i] is not None]
             if promote:
-                await self._store([(k, v) for k, v in promote if v is not None], chain, None, WritePolicy.WRITE_BACK)
+                await self._promote([(k, v) for k, v in promote if v is not None], chain)
         return out
 
     async def _read_tracked(self, name: str, keys: list[Key]) -> list[torch.Tensor | None]:
@@ -170,6 +169,12 @@ class TieredStore:
         entries = [(k, v.nbytes, p) for (k, v), p in zip(items, parents, strict=True)]
         placement = place(self.directory, chain, entries, write, self._stored_size)
         return await self.execute(placement.plans, payloads)
+
+    async def _promote(self, items: Sequence[tuple[Key, torch.Tensor]], chain: list[str]) -> None:
+        """Copy chunks read from slower tiers into the first tier (its victims demoted); what it refuses stays
+        where it was read from (planner.promote)."""
+        entries = [(k, v.nbytes, None) for k, v in items]
+        await self.execute(promote(self.directory, chain, entries, self._stored_size), dict(items))
 
     def _stored_size(self, tier: str, nbytes: int) -> int:
         return self._tiers[tier].stored_size(nbytes)

@@ -52,8 +52,9 @@ class KVConnectorHandshakeMetadata:
 
 @dataclass
 class KVConnectorStats:
-    """Serializable stats: ``data`` is plain numbers keyed by name, and lists of plain rows (e.g. kvtier's
-    ``failed_saves``: ``[request id, tier, key hex]``); aggregating sums the numbers and joins the lists."""
+    """Serializable stats: ``data`` is plain numbers keyed by name (and, for other connectors, lists of plain rows);
+    aggregating sums the numbers and joins the lists. Stats only count: what a scheduler must act on travels in
+    the worker metadata (kvtier's ``WorkerReport``, kvtier.connector.report)."""
 
     data: dict[str, Any] = field(default_factory=dict)
 

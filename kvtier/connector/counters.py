@@ -4,15 +4,11 @@ count: what the scheduler must act on travels in the worker report (kvtier.conne
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-
-logger = logging.getLogger(__name__)
-
 
 class WorkerCounters:
     """Thread-safe counters (loads run on the caller's thread, saves on the I/O loop)."""

@@ -2,7 +2,7 @@
 
 vLLM >= 0.32 (the config names the engine's KV-cache layout): each layer's ``[B, H, N, C]`` view becomes a
 ``[kernel_blocks, *page]`` page view (:mod:`kvtier.pages`); earlier engines: 5-D or 3-D paged tensors in one of
-:class:`kvtier.transfer.KVLayout`'s layouts, checked against the group's spec. Anything kvtier cannot read
+:class:`kvtier.geometry.KVLayout`'s layouts, checked against the group's spec. Anything kvtier cannot read
 raises ``ConnectorError`` (the worker then disables kvtier for the engine, or fails in strict mode).
 """
 

@@ -88,7 +88,11 @@ class KVTierPair:
 
         if self._store is None:
             store = TieredStore.from_config(self.cfg, hmac_key=self._hmac_key, kcc=kv_cache_config)
-            self.loop.run(store.start())
+            try:
+                self.loop.run(store.start())  # a tier that fails to start: the started ones are closed
+            except BaseException:
+                self.loop.close()
+                raise
             self._store = store
         return self._store
 
@@ -189,7 +193,7 @@ class Engine:
             result = self.runner.execute(out, self.scheduler.requests)
         kco = result.kv_connector_output
         if kco is not None and isinstance(kco.kv_connector_stats, KVConnectorStats):
-            # run totals: the numbers (rows such as failed_saves are for the scheduler, this step only)
+            # run totals: the numbers (rows are this step's)
             self.stats.aggregate(KVConnectorStats(kco.kv_connector_stats.reduce()))
         self.num_steps += 1
         self.last_scheduled = sum(out.num_scheduled_tokens.values())

@@ -1,7 +1,7 @@
 """Redis tier operations through redis-py pipelines (standalone or cluster client alike).
 
 Used for the small commands (EXISTS, DEL and the header probes deletes need) and, with ``rediss://`` (TLS),
-for the records themselves. Records keep the layout of ``redis_bulk`` (head + parts), so TLS and plain clients
+for the records themselves. Records keep the layout of ``.bulk`` (head + parts), so TLS and plain clients
 share one Redis.
 """
 

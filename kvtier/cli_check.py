@@ -16,17 +16,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtier.config import (
-    DiskTierConfig,
-    GpuTierConfig,
-    KvtierConfig,
-    RedisTierConfig,
-    TierKind,
-    load_config,
-    validate_for_layout,
-)
+from kvtier.config import DiskTierConfig, GpuTierConfig, KvtierConfig, RedisTierConfig, TierKind, load_config
 from kvtier.config_parse import format_duration, format_size
 from kvtier.errors import ConfigError
+from kvtier.fit import check_fit
 from kvtier.layout import DTYPE_SIZES, GroupKind, KVCacheConfig, dtype_name, simple_config
 from kvtier.tiers import check_extras
 
@@ -165,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         shape = parse_model_shape(args.model_shape)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") or k == "KVTIER_CACHE_DIR"}
         cfg = load_config(args.config, env=env if args.no_env else os.environ)
-        validate_for_layout(cfg, shape.layout())
+        check_fit(cfg, shape.layout())
         check_extras(cfg)
     except ConfigError as exc:
         if args.json:

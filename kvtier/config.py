@@ -1,5 +1,6 @@
-"""Typed configuration tree. The only module that reads YAML, ``KVTIER_*`` environment variables or an
-engine's extra-config dict; everything else receives the frozen section objects below.
+"""Loading the typed configuration tree (:mod:`kvtier.config_tree`, whose names are importable from here too).
+The only entry that reads YAML, ``KVTIER_*`` environment variables or an engine's extra-config dict; everything
+else receives the frozen section objects.
 
 ``load_config`` merges three layers, later ones winning, then validates the result once:
 
@@ -18,17 +19,15 @@ Every invalid value raises :class:`ConfigError` naming its key path (``tiers[1].
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from enum import StrEnum
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvtier.config_layers import apply_env, env_layer, merge, plain, read_yaml
 from kvtier.config_parse import (
-    apply_env,
     as_bool,
     as_float,
     as_int,
@@ -39,166 +38,35 @@ from kvtier.config_parse import (
     check_redis_url,
     choice,
     default_cache_dir,
-    env_layer,
     expand_path,
-    format_size,
     join,
-    merge,
     parse_duration,
     parse_size,
-    plain,
-    plain_fields,
-    read_yaml,
     suggest,
     unwrap,
 )
+from kvtier.config_tree import (
+    CpuTierConfig,
+    DiskTierConfig,
+    GpuTierConfig,
+    KvtierConfig,
+    NamespaceConfig,
+    PolicyConfig,
+    RedisTierConfig,
+    SecurityConfig,
+    TierConfig,
+    TierKind,
+    WritePolicy,
+    config_to_dict,
+)
 from kvtier.errors import ConfigError
-from kvtier.layout import UNSERVED, GroupKind
+from kvtier.layout import GroupKind
 
-if TYPE_CHECKING:
-    from kvtier.layout import KVCacheConfig
-
-
-class TierKind(StrEnum):
-    GPU = "gpu"
-    CPU = "cpu"
-    DISK = "disk"
-    REDIS = "redis"
-
-
-class WritePolicy(StrEnum):
-    WRITE_THROUGH = "write_through"
-    WRITE_BACK = "write_back"
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """Fields every tier has. ``capacity`` is in bytes."""
-
-    name: str
-    capacity: int
-    compression: str | None = None  # None, "lz4" or "zstd" (disk and redis only)
-    eviction: str | None = None  # overrides policy.eviction for this tier
-
-    @property
-    def kind(self) -> TierKind:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class GpuTierConfig(TierConfig):
-    device: str = "cuda:0"
-    slot_bytes: int | None = None  # None: sized by the first record stored
-
-    @property
-    def kind(self) -> TierKind:
-        return TierKind.GPU
-
-
-@dataclass(frozen=True)
-class CpuTierConfig(TierConfig):
-    pin_memory: bool | None = None  # None: pinned when CUDA is available
-    slot_bytes: int | None = None
-
-    @property
-    def kind(self) -> TierKind:
-        return TierKind.CPU
-
-
-@dataclass(frozen=True)
-class DiskTierConfig(TierConfig):
-    path: str = ""
-    fsync: bool = False
-    shard_depth: int = 2
-
-    @property
-    def kind(self) -> TierKind:
-        return TierKind.DISK
-
-
-@dataclass(frozen=True)
-class RedisTierConfig(TierConfig):
-    url: str = "redis://127.0.0.1:6379/0"
-    cluster: bool = False
-    ttl: float | None = None  # seconds
-    timeout: float = 0.05  # seconds per operation
-    connect_timeout: float = 1.0
-    pool_size: int = 16
-    connections: int = 4  # parallel connections for large-value transfers
-    key_prefix: str = "kvtier"
-    username: str | None = None
-    password_env: str = "KVTIER_REDIS_PASSWORD"
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    breaker_failures: int = 3
-    breaker_backoff: float = 1.0  # seconds
-
-    @property
-    def kind(self) -> TierKind:
-        return TierKind.REDIS
-
-
-@dataclass(frozen=True)
-class NamespaceConfig:
-    model: str = "default"
-    revision: str = "main"
-    tenant: str = ""  # salt that isolates tenants sharing tiers
-    weights: str = "auto"  # how the weights join the namespace (kvtier.fingerprint.WEIGHT_MODES)
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    eviction: str = "prefix_lru"
-    write: WritePolicy = WritePolicy.WRITE_BACK
-    promote_on_hit: bool = True
-    # a chunk is saved once this many requests have asked for it (1: every computed chunk; 2: only prefixes seen
-    # before, so one-off prompts cost no save)
-    store_threshold: int = 1
-    # saves queued on a worker and not yet written (bytes): a step's saves past it are skipped (counted), so a
-    # medium slower than the engine never builds an unbounded queue of held blocks and copies
-    save_backlog: int = 256 << 20
-
-
-@dataclass(frozen=True)
-class SecurityConfig:
-    hmac_key_env: str | None = None  # env var holding the HMAC-SHA256 key; None: records are not signed
-
-
-@dataclass(frozen=True)
-class KvtierConfig:
-    chunk_size: int = 256
-    namespace: NamespaceConfig = field(default_factory=NamespaceConfig)
-    tiers: tuple[TierConfig, ...] = ()
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    placement: Mapping[GroupKind, tuple[str, ...]] = field(default_factory=dict)
-    save_partial_chunks: bool = False
-    strict: bool = False  # KV tensors kvtier cannot read fail the engine's start (else kvtier disables itself)
-    # the engine's prefix cache is off by the operator's choice, not the engine's: kvtier may serve it anyway
-    serve_without_prefix_caching: bool = False
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-
-    def tier(self, name: str) -> TierConfig:
-        for t in self.tiers:
-            if t.name == name:
-                return t
-        raise KeyError(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (YAML-ready) that ``load_config`` reads back to an equal config."""
-        return config_to_dict(self)
-
-    def tiers_for(self, kind: GroupKind) -> tuple[str, ...]:
-        """Tier names holding a group kind, fastest first; every tier when placement does not name the kind."""
-        if kind in self.placement:
-            return self.placement[kind]
-        if self.placement:
-            return ()
-        return tuple(t.name for t in self.tiers)
-
-
-
-# ---- loading ----------------------------------------------------------------------------------------------
+__all__ = [  # the loader, and the tree's names (importable from here as before the tree had a module of its own)
+    "DEFAULT_CONFIG", "ENGINE_ONLY_KEYS", "CpuTierConfig", "DiskTierConfig", "GpuTierConfig", "KvtierConfig",
+    "NamespaceConfig", "PolicyConfig", "RedisTierConfig", "SecurityConfig", "TierConfig", "TierKind", "WritePolicy",
+    "build_config", "config_to_dict", "load_config",
+]
 
 SECTIONS = ("chunk_size", "namespace", "tiers", "policy", "placement", "save_partial_chunks", "security", "strict",
             "serve_without_prefix_caching")
@@ -424,46 +292,3 @@ def _build_placement(value: Any, tiers: tuple[TierConfig, ...]) -> dict[GroupKin
                               f"list them fastest first, as in tiers: {sorted(chosen, key=names.index)}")
         out[GroupKind(key)] = tuple(chosen)
     return out
-
-
-# ---- checks against an engine's layout, export ------------------------------------------------------------
-
-def validate_for_layout(cfg: KvtierConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Check a config against an engine's KV-cache layout: chunk_size is a multiple of every attention group's
-    block size (Mamba groups store one state per chunk and are exempt), and each tier holds at least one chunk
-    record of every group placed on it."""
-    from kvtier.codec import HEADER_SIZE
-
-    groups = kv_cache_config.kv_cache_groups
-    attention = [g.kv_cache_spec.block_size for g in groups if g.kind not in UNSERVED]
-    for gid, group in enumerate(groups):
-        block = group.kv_cache_spec.block_size
-        if group.kind not in UNSERVED and cfg.chunk_size % block:
-            lcm = math.lcm(*attention)
-            raise ConfigError("chunk_size", f"{cfg.chunk_size} is not a multiple of the block size {block} of "
-                              f"KV-cache group {gid} ({group.kind.value})",
-                              f"use a multiple of {lcm}, e.g. {lcm * max(1, round(cfg.chunk_size / lcm))}")
-    for i, tier in enumerate(cfg.tiers):
-        for gid, group in enumerate(groups):
-            record = group.bytes_per_chunk(cfg.chunk_size) + HEADER_SIZE
-            if tier.name in cfg.tiers_for(group.kind) and record > tier.capacity:
-                raise ConfigError(f"tiers[{i}].capacity", f"{format_size(tier.capacity)} cannot hold one chunk "
-                                  f"of group {gid} ({format_size(record)})", "raise capacity or lower chunk_size")
-
-
-def config_to_dict(cfg: KvtierConfig) -> dict[str, Any]:
-    """Plain dict of a config (sizes in bytes, durations in seconds) that ``load_config`` reads back."""
-    tiers = []
-    for tier in cfg.tiers:
-        body = plain_fields(tier)
-        tiers.append({"name": body.pop("name"), "kind": tier.kind.value, **body})
-    return {
-        "chunk_size": cfg.chunk_size,
-        "namespace": plain_fields(cfg.namespace),
-        "tiers": tiers,
-        "policy": plain_fields(cfg.policy),
-        "placement": {kind.value: list(names) for kind, names in cfg.placement.items()},
-        "save_partial_chunks": cfg.save_partial_chunks,
-        "strict": cfg.strict,
-        "security": plain_fields(cfg.security),
-    }

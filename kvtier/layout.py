@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.geometry import canonical_layout
+
+if TYPE_CHECKING:
+    from kvtier.connector.settings import EngineSettings
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -255,12 +258,12 @@ def _packing(spec: Any) -> dict[str, int | None]:
             "content_bytes": number("state_content_bytes")}
 
 
-def from_vllm(kv_cache_config: Any, vllm_config: Any = None) -> KVCacheConfig:
+def from_vllm(kv_cache_config: Any, engine: EngineSettings | None = None) -> KVCacheConfig:
     """Convert a vLLM ``KVCacheConfig`` (any version with ``kv_cache_groups``) to kvtier's model, its layout
     resolved once for the whole start: the ``KVCacheLayout`` on the KV-cache config (vLLM >= 0.32), else the
-    cache config's, by canonical name (:func:`kvtier.geometry.canonical_layout`). Given the engine's
-    ``vllm_config``, a resolved layout also records its packing (the device type); a kvtier ``KVCacheConfig`` is
-    returned as it is unless there is such a layout to record."""
+    cache config's, by canonical name (:func:`kvtier.geometry.canonical_layout`). Given the engine's settings
+    (kvtier.connector.settings), a resolved layout also records its packing (the device type); a kvtier
+    ``KVCacheConfig`` is returned as it is unless there is such a layout to record."""
     if isinstance(kv_cache_config, KVCacheConfig):
         base = kv_cache_config
     else:
@@ -268,14 +271,12 @@ def from_vllm(kv_cache_config: Any, vllm_config: Any = None) -> KVCacheConfig:
                        for g in kv_cache_config.kv_cache_groups)
         base = KVCacheConfig(groups, int(getattr(kv_cache_config, "num_blocks", 0)),
                              _layout_of(getattr(kv_cache_config, "kv_cache_layout", None)))
-    if vllm_config is None:
+    if engine is None:
         return base
-    resolved = base.kv_layout or _layout_of(getattr(getattr(vllm_config, "cache_config", None),
-                                                    "kv_cache_layout", None))
+    resolved = base.kv_layout or _layout_of(engine.kv_cache_layout)
     if resolved is None:
         return base
-    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
-    return replace(base, kv_layout=resolved, kv_packing=str(device) if device else None)
+    return replace(base, kv_layout=resolved, kv_packing=engine.device_type)
 
 
 def _layout_of(layout: Any) -> str | None:

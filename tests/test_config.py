@@ -1,5 +1,5 @@
 """Config loading: sizes and durations, precedence of file < env < overrides, validation errors naming the key
-path, the shipped configs, round trip through to_dict, and checks against an engine's layout."""
+path, the shipped configs, and round trip through to_dict (checks against an engine's layout: test_fit.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from kvtier.config import (
     RedisTierConfig,
     WritePolicy,
     load_config,
-    validate_for_layout,
 )
 from kvtier.config_parse import format_duration, format_size, parse_duration, parse_size
 from kvtier.errors import ConfigError
+from kvtier.fit import check_fit
 from kvtier.layout import GroupKind, simple_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
@@ -99,7 +99,7 @@ def test_configs_directory_has_the_documented_files() -> None:
 def test_every_shipped_config_loads_and_round_trips(path: Path) -> None:
     cfg = load_config(path, env={"HOME": "/home/op"})
     assert cfg.tiers and cfg.chunk_size % 16 == 0
-    validate_for_layout(cfg, simple_config(32, 8, 128, block_size=16))
+    check_fit(cfg, simple_config(32, 8, 128, block_size=16))
     assert load_config(cfg.to_dict(), env={}) == cfg
     # the dict survives YAML, as an operator would save it
     assert load_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict())), env={}) == cfg
@@ -340,26 +340,7 @@ def test_invalid_overrides_name_the_path() -> None:
     assert error_of(base(), overrides={"polcy": {}}).path == "polcy"
 
 
-# ---- layout checks, round trip ----------------------------------------------------------------------------
-
-def test_validate_for_layout_chunk_multiple_of_block_size() -> None:
-    cfg = load_config(base(chunk_size=100), env={})
-    with pytest.raises(ConfigError) as info:
-        validate_for_layout(cfg, simple_config(2, 1, 8, block_size=16))
-    assert info.value.path == "chunk_size" and "block size 16" in str(info.value)
-    assert "multiple of 16" in str(info.value)
-    validate_for_layout(load_config(base(chunk_size=96), env={}), simple_config(2, 1, 8, block_size=16))
-    mixed = simple_config(4, 1, 8, block_size=32, sliding_window=64, swa_layers=[1])
-    with pytest.raises(ConfigError, match="chunk_size"):
-        validate_for_layout(load_config(base(chunk_size=48), env={}), mixed)
-
-
-def test_validate_for_layout_tier_smaller_than_a_chunk() -> None:
-    cfg = load_config(base(tiers=[{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]), env={})
-    with pytest.raises(ConfigError) as info:
-        validate_for_layout(cfg, simple_config(32, 8, 128))  # 32 MiB per chunk
-    assert info.value.path == "tiers[0].capacity"
-
+# ---- round trip -------------------------------------------------------------------------------------------
 
 def test_to_dict_round_trip_of_every_option() -> None:
     cfg = load_config({

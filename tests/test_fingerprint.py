@@ -12,6 +12,7 @@ import pytest
 
 from kvtier.config import load_config
 from kvtier.connector.keying import identity_from, namespaces
+from kvtier.connector.settings import read_settings
 from kvtier.errors import ConfigError
 from kvtier.fingerprint import FingerprintError, ModelFacts, fingerprint, hub_commit, weight_files, weights_id
 from kvtier.layout import simple_config
@@ -133,12 +134,12 @@ def test_an_engine_whose_weights_cannot_be_fingerprinted_is_not_served(tmp_path:
                                                           hf_config=None, dtype="float32", quantization=None))
     cfg = load_config({"tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]})
     with caplog.at_level("WARNING"):
-        ident = identity_from(cfg, engine)
+        ident = identity_from(cfg, read_settings(engine))
     assert ident.fingerprint is None and "cannot tie its records" in caplog.text
     assert weights_blocker(ident.fingerprint) is not None and weights_blocker("") is None
     kcc = simple_config(2, 2, 8, block_size=16)
     assert namespaces(ident, kcc, 16) != namespaces(ident, kcc, 16)  # never the same twice
-    assert identity_from(cfg, engine, fingerprinted=False).fingerprint == ""
+    assert identity_from(cfg, read_settings(engine), fingerprinted=False).fingerprint == ""
 
 
 def test_the_fingerprint_is_the_same_in_every_process(tmp_path: Path) -> None:
@@ -188,11 +189,11 @@ def test_new_weights_at_the_same_path_give_other_keys(tmp_path: Path) -> None:
                              cache_config=SimpleNamespace(cache_dtype="auto"))
     cfg = load_config({"chunk_size": 16, "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]})
     kcc = simple_config(2, 2, 8, block_size=16)
-    first = namespaces(identity_from(cfg, engine), kcc, 16)
-    assert namespaces(identity_from(cfg, engine), kcc, 16) == first
+    first = namespaces(identity_from(cfg, read_settings(engine)), kcc, 16)
+    assert namespaces(identity_from(cfg, read_settings(engine)), kcc, 16) == first
     (model / "model-00001-of-00002.safetensors").write_bytes(b"W2" * 1000)
     os.utime(model / "model-00001-of-00002.safetensors", ns=(10**18, 10**18))
-    assert namespaces(identity_from(cfg, engine), kcc, 16) != first
+    assert namespaces(identity_from(cfg, read_settings(engine)), kcc, 16) != first
     assert identity_from(cfg, None).fingerprint == ""  # an engine that does not describe its model
 
 
@@ -211,13 +212,13 @@ def test_a_tensor_parallel_worker_that_cannot_fingerprint_serves_nothing(tmp_pat
     recomputed, nothing is stored, the scheduler is told through the stats) instead of writing unreadable
     records."""
     from kvtier.connector.base import KVConnectorRole
-    from kvtier.connector.tiered import KVTierConnector
+    from kvtier.connector.tiered import TieredConnector
 
     engine = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path / "gone"), revision=None,
                                                           hf_config=None, dtype="float32", quantization=None),
                              parallel_config=SimpleNamespace(tensor_parallel_size=2, rank=1))
     cfg = load_config({"chunk_size": 16, "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]})
-    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, simple_config(2, 2, 8, block_size=16),
+    work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, simple_config(2, 2, 8, block_size=16),
                                        vllm_config=engine)
     try:
         worker = work._worker

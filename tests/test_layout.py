@@ -195,8 +195,10 @@ class KVCacheLayoutV(Enum):  # vLLM's KVCacheLayout members are read by name
 
 
 def _engine(cache_layout: Any = None, device: str | None = "cuda") -> Any:
-    return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=cache_layout),
-                           device_config=SimpleNamespace(device_type=device))
+    from kvtier.connector.settings import read_settings
+
+    return read_settings(SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=cache_layout),
+                                         device_config=SimpleNamespace(device_type=device)))
 
 
 def test_from_vllm_resolves_the_layout_once_from_the_kv_cache_config_or_the_cache_config() -> None:

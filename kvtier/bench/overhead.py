@@ -7,7 +7,7 @@ holds nothing useful. This benchmark measures, per prompt length (median over re
   microseconds per request and per 1k tokens, tokens/s and GB/s of int32 token ids;
 * ``lookup``: ``Directory.lookup`` against an empty directory and against one holding ``--populated``
   unrelated chunks (cold for this request);
-* ``connector``: ``KVTierConnector.get_num_new_matched_tokens`` (scheduler role, cpu + disk tiers) on a
+* ``connector``: ``TieredConnector.get_num_new_matched_tokens`` (scheduler role, cpu + disk tiers) on a
   miss-only workload: the whole per-request scheduler cost, keys included;
 
 and sets the total beside the prefill it rides on: the reference engine's measured prefill of the same
@@ -81,15 +81,15 @@ def directory_with(populated: int) -> Any:
 
 
 def connector(tmp: Path) -> Any:
-    """A scheduler-role KVTierConnector over a cpu and a disk tier (Llama-3.1-8B-shaped layout)."""
+    """A scheduler-role TieredConnector over a cpu and a disk tier (Llama-3.1-8B-shaped layout)."""
     from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, NamespaceConfig
     from kvtier.connector.base import KVConnectorRole
-    from kvtier.connector.tiered import KVTierConnector
+    from kvtier.connector.tiered import TieredConnector
     from kvtier.layout import simple_config
 
     cfg = KvtierConfig(chunk_size=CHUNK, namespace=NamespaceConfig(model="bench/llama-3.1-8b"),
                        tiers=(CpuTierConfig("cpu", 1 << 30), DiskTierConfig("disk", 1 << 34, path=str(tmp))))
-    return KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, simple_config(32, 8, 128, "bfloat16"))
+    return TieredConnector.from_config(cfg, KVConnectorRole.SCHEDULER, simple_config(32, 8, 128, "bfloat16"))
 
 
 def engine_prefill(lengths: Sequence[int], repeats: int) -> dict[int, Spread]:

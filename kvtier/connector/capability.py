@@ -17,14 +17,13 @@ which cannot use them either), and one warning at start says why.
 
 from __future__ import annotations
 
-from typing import Any
+from kvtier.connector.settings import EngineSettings
 
 
-def prefix_resume_blocker(vllm_config: Any, serve_without_prefix_caching: bool = False) -> str | None:
+def prefix_resume_blocker(engine: EngineSettings, serve_without_prefix_caching: bool = False) -> str | None:
     """Why kvtier must not serve this engine's prefixes, or None when it may (engines without these settings,
     such as kvtier's reference engine, always may)."""
-    prefix = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", None)
-    chunked = getattr(getattr(vllm_config, "scheduler_config", None), "enable_chunked_prefill", None)
+    prefix, chunked = engine.prefix_caching, engine.chunked_prefill
     if prefix is False and chunked is False:
         return ("the engine runs with prefix caching and chunked prefill both off, which vLLM does when its "
                 "attention cannot prefill after a cached prefix for this model (e.g. its CPU MLA backend without "

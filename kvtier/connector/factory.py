@@ -37,7 +37,7 @@ from kvtier.errors import ConnectorError
 logger = logging.getLogger(__name__)
 
 BUILTIN_CONNECTORS: dict[str, str] = {
-    "KVTierConnector": "kvtier.connector.tiered:KVTierConnector",
+    "KVTierConnector": "kvtier.connector.tiered:TieredConnector",
     "MultiConnector": "kvtier.connector.multi:MultiConnector",
     "KVTierMultiConnector": "kvtier.connector.multi:MultiConnector",
 }

@@ -76,11 +76,3 @@ def _prefix(present: Sequence[bool]) -> int:
     while n < len(present) and present[n]:
         n += 1
     return n
-
-
-def chunk_alignment(chunk_size: int, block_sizes: Sequence[int]) -> None:
-    """Raise ``ValueError`` unless ``chunk_size`` is a multiple of every group's block size."""
-    bad = [b for b in block_sizes if b <= 0 or chunk_size % b]
-    if bad:
-        raise ValueError(f"chunk_size {chunk_size} must be a multiple of every group's block size; "
-                         f"block sizes {sorted(set(bad))} do not divide it")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import KvtierConfig
-from kvtier.fingerprint import ModelFacts, fingerprint
+from kvtier.connector.settings import EngineSettings
+from kvtier.fingerprint import fingerprint
 from kvtier.keys import DIGEST_BYTES, Key, Namespace, chunk_keys
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -34,66 +35,41 @@ class Identity:
     fingerprint: str | None = ""  # None: the weights could not be fingerprinted (nothing may be served)
 
 
-def identity_from(cfg: KvtierConfig, vllm_config: Any = None, tp_rank: int | None = None, *,
+def identity_from(cfg: KvtierConfig, engine: EngineSettings | None = None, tp_rank: int | None = None, *,
                   fingerprinted: bool = True) -> Identity:
     """The identity from kvtier's namespace section; the engine's model name when the section leaves it
     at "default"; the tensor-parallel size from the engine's parallel config; with ``fingerprinted``, the
     fingerprint of the engine's model under ``namespace.weights`` (None when it cannot be taken)."""
+    engine = engine or EngineSettings()
     model = cfg.namespace.model
-    engine_model = getattr(getattr(vllm_config, "model_config", None), "model", None)
-    if model == "default" and engine_model:
-        model = str(engine_model)
-    parallel = getattr(vllm_config, "parallel_config", None)
-    size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-    rank = tp_rank if tp_rank is not None else int(getattr(parallel, "rank", 0) or 0) % size
-    digest = model_fingerprint(vllm_config, cfg.namespace.weights) if fingerprinted else ""
+    if model == "default" and engine.model:
+        model = engine.model
+    size = max(1, engine.tp_size)
+    rank = tp_rank if tp_rank is not None else engine.rank % size
+    digest = model_fingerprint(engine, cfg.namespace.weights) if fingerprinted else ""
     return Identity(model, cfg.namespace.revision, cfg.namespace.tenant, rank, size, digest)
 
 
-def model_fingerprint(vllm_config: Any, mode: str) -> str | None:
+def model_fingerprint(engine: EngineSettings, mode: str) -> str | None:
     """The fingerprint of the engine's model (kvtier.fingerprint): "" when the engine does not describe one, None
     (with a warning) when its weights cannot be found or read."""
     try:
-        facts = model_facts(vllm_config)
+        facts = engine.model_facts()
         if facts is None:
             return ""
         digest = fingerprint(facts, mode)
     except Exception as exc:  # a missing, unreadable or odd checkpoint or config: no cache rather than a wrong one
-        model = getattr(getattr(vllm_config, "model_config", None), "model", None)
         logger.warning("kvtier cannot tie its records to the weights of %s (namespace.weights=%s): %s",
-                       model, mode, exc)
+                       engine.model, mode, exc)
         return None
     logger.info("kvtier records are tied to %s (namespace.weights=%s, fingerprint %s)", facts.model, mode, digest)
     return digest
-
-
-def model_facts(vllm_config: Any) -> ModelFacts | None:
-    """What a vLLM config says about the model that computes the KV (None without a model config)."""
-    model_config = getattr(vllm_config, "model_config", None)
-    model = getattr(model_config, "model", None)
-    if model is None:
-        return None
-    hf_config = getattr(model_config, "hf_config", None)
-    to_dict = getattr(hf_config, "to_dict", None)
-    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
-    load_config = getattr(vllm_config, "load_config", None)
-    return ModelFacts(str(model), _text(getattr(model_config, "revision", None)),
-                      to_dict() if callable(to_dict) else None, str(getattr(model_config, "dtype", "")),
-                      _text(getattr(model_config, "quantization", None)), _text(cache_dtype),
-                      _text(getattr(load_config, "load_format", None)),
-                      _text(getattr(load_config, "download_dir", None)),
-                      _text(getattr(model_config, "model_weights", None)) or None,
-                      _text(getattr(model_config, "weights_identity", None)))
 
 
 def _known(digest: str | None) -> str:
     """A fingerprint for the namespace; one that matches nothing ever written when it could not be taken (this
     process then only misses: its loads fail and are recomputed)."""
     return digest if digest is not None else f"unknown-{uuid.uuid4().hex}"
-
-
-def _text(value: Any) -> str | None:
-    return None if value is None else str(getattr(value, "value", value))
 
 
 def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *,

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtier.connector.base import (
     KVConnectorBase,
@@ -36,6 +36,7 @@ from kvtier.connector.base import (
 )
 from kvtier.connector.factory import DEFAULT_FACTORY, ConnectorFactory
 from kvtier.connector.report import ChildReports
+from kvtier.connector.settings import child_configs
 from kvtier.errors import ConnectorError
 
 logger = logging.getLogger(__name__)
@@ -75,32 +76,10 @@ class MultiConnectorStats(KVConnectorStats):
         return {name: (s.to_dict() if hasattr(s, "to_dict") else s.data) for name, s in self.data.items()}
 
 
-def child_configs(config: Any) -> list[Any]:
-    """One shallow copy of ``config`` per configured child, each with its own ``kv_transfer_config``."""
-    ktc = config.kv_transfer_config
-    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
-    children = extra.get("connectors")
-    if not children or not isinstance(children, list):
-        raise ConnectorError(
-            "MultiConnector needs kv_connector_extra_config['connectors']: a non-empty list of connector configs "
-            "such as {'kv_connector': 'KVTierConnector', 'kv_role': 'kv_both'}")
-    configs = []
-    for i, child in enumerate(children):
-        if not isinstance(child, Mapping):
-            raise ConnectorError(f"kv_connector_extra_config['connectors'][{i}] must be a dict, got {child!r}")
-        fields = {**child, "engine_id": child.get("engine_id", ktc.engine_id)}
-        try:
-            child_ktc = type(ktc)(**fields)
-        except (TypeError, ValueError) as exc:
-            raise ConnectorError(f"kv_connector_extra_config['connectors'][{i}]: {exc}") from exc
-        sub = copy.copy(config)
-        sub.kv_transfer_config = child_ktc
-        configs.append(sub)
-    return configs
-
-
 class MultiConnector(KVConnectorBase, SupportsHMA):
     """Chains child connectors: loads from the first that hits, saves to all (see the module docstring)."""
+
+    stats_type: ClassVar[type[MultiConnectorStats]] = MultiConnectorStats  # what get_kv_connector_stats returns
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *,
                  factory: ConnectorFactory | None = None,
@@ -254,7 +233,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             stats = child.get_kv_connector_stats()
             if stats is None:
                 continue
-            merged = merged or MultiConnectorStats()
+            merged = merged or self.stats_type()
             name = type(child).__name__
             if name in merged.data:  # two children of one class: sum, without touching either child's object
                 merged.data[name] = copy.deepcopy(merged.data[name]).aggregate(stats)

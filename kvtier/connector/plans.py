@@ -6,10 +6,12 @@ worker must leave alone (an out-of-window sliding-window block, or one the engin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.connector.base import KVConnectorMetadata
 from kvtier.directory import StorePlan
+from kvtier.geometry import NULL_BLOCK
 from kvtier.keys import Key
 
 
@@ -50,3 +52,18 @@ class KVTierMetadata(KVConnectorMetadata):
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves)
+
+
+def block_at(ids: Sequence[int], j: int) -> int:
+    """The ``j``-th block id of a group's list, or the null block past its end."""
+    return ids[j] if j < len(ids) else NULL_BLOCK
+
+
+def chunk_blocks(block_ids: Sequence[Sequence[int]], group: int, chunk: int, per_chunk: int) -> tuple[int, ...] | None:
+    """Block ids of one chunk of a group, or None when any is missing or null (not savable)."""
+    if group >= len(block_ids):
+        return None
+    ids = tuple(block_ids[group][chunk * per_chunk:(chunk + 1) * per_chunk])
+    if len(ids) < per_chunk or NULL_BLOCK in ids:
+        return None
+    return ids

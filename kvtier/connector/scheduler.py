@@ -22,12 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import KvtierConfig, TierKind
-from kvtier.connector.hits import GroupNeed, best_hit, chunk_alignment, hit_limit
+from kvtier.connector.hits import GroupNeed, best_hit, hit_limit
+from kvtier.connector.inflight import InflightSaves
 from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
-from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec, block_at, chunk_blocks
 from kvtier.connector.report import WorkerReport, report_of
 from kvtier.connector.reuse import SeenCounter
 from kvtier.directory import Directory, StorePlan
+from kvtier.errors import ConfigError
+from kvtier.fit import check_fit
 from kvtier.geometry import NULL_BLOCK
 from kvtier.keys import Key
 from kvtier.layout import UNSERVED, GroupKind, KVCacheConfig, SlidingWindowSpec
@@ -92,11 +95,7 @@ class SchedulerHalf:
         self._step_loads: list[LoadSpec] = []
         self._sync_pins: list[tuple[str, list[Key]]] = []
         self._async_pins: dict[str, list[tuple[str, list[Key]]]] = {}
-        self._saving: dict[str, list[tuple[str, Key]]] = {}
-        # (tier, key) -> ranks that reported it not stored, per request, until the request's saves finish
-        self._save_failures: dict[str, dict[tuple[str, Key], set[str]]] = {}
-        self._tp_size = max(1, tp_size)
-        self._save_reports = save_reports
+        self._inflight = InflightSaves(directory, tp_size, reports=save_reports)
         self._load_blocks: dict[int, tuple[str, Key]] = {}
         self._req_load_blocks: dict[str, list[int]] = {}
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
@@ -110,8 +109,8 @@ class SchedulerHalf:
             logger.warning("kvtier loads and saves nothing in this engine: %s", blocker)
         if not self._never_hits:  # else nothing is ever stored or hit: block sizes do not matter
             try:
-                chunk_alignment(cfg.chunk_size, [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups])
-            except ValueError as exc:  # the engine chose block sizes the configured chunks do not fit
+                check_fit(cfg, kcc)
+            except ConfigError as exc:  # the engine chose block sizes (or chunk bytes) the config does not fit
                 if cfg.strict:
                     raise
                 self.disabled = True
@@ -267,7 +266,7 @@ class SchedulerHalf:
                 tier = hit.locations[g][i]
                 if tier is None:  # cannot happen for a hit; never plan a load from nowhere
                     continue
-                ids = tuple(_block_at(block_ids[g], j) if j >= local_blocks else NULL_BLOCK
+                ids = tuple(block_at(block_ids[g], j) if j >= local_blocks else NULL_BLOCK
                             for j in range(i * per_chunk, (i + 1) * per_chunk))
                 keys, blocks = by_tier.setdefault(tier, ([], []))
                 keys.append(state.keys[g][i])
@@ -324,7 +323,7 @@ class SchedulerHalf:
             per_chunk = size // group.kv_cache_spec.block_size
             unfilled = state.unfilled[g] if g < len(state.unfilled) else range(0)
             chunks = [i for i in range(state.saved_chunks, full)
-                      if i not in unfilled and _chunk_blocks(state.block_ids, g, i, per_chunk) is not None
+                      if i not in unfilled and chunk_blocks(state.block_ids, g, i, per_chunk) is not None
                       and self._reused(all_keys, i)]
             if not chunks:
                 continue
@@ -335,10 +334,10 @@ class SchedulerHalf:
                 continue
             engine_keys = {k for p in plans if p.source is None for k in p.store}
             chosen = [i for i in chunks if keys[i] in engine_keys]
-            blocks = tuple(_chunk_blocks(state.block_ids, g, i, per_chunk) or () for i in chosen)
+            blocks = tuple(chunk_blocks(state.block_ids, g, i, per_chunk) or () for i in chosen)
             spec = SaveSpec(req_id, g, tuple(keys[i] for i in chosen), blocks, tuple(plans))
             meta.saves.append(spec)
-            self._saving.setdefault(req_id, []).extend(spec.stored_keys())
+            self._inflight.add(req_id, spec.stored_keys())
         state.saved_chunks = full
 
     def _reused(self, all_keys: Sequence[Sequence[Key]], chunk: int) -> bool:
@@ -362,22 +361,9 @@ class SchedulerHalf:
         if not self.disabled and report.disabled:
             self.disabled = True
             logger.error("kvtier: a worker cannot read the engine's KV cache (see its log); no more hits or saves")
-        if self._save_reports:
-            for req_id, tier, key, rank in report.failed_saves:
-                if req_id in self._saving:  # late rows (a save cancelled after a timeout) are ignored
-                    self._save_failures.setdefault(req_id, {}).setdefault((tier, key), set()).add(rank)
+        self._inflight.note(report)
         for req_id in output.finished_sending or ():
-            failures = self._save_failures.pop(req_id, {})
-            done: dict[tuple[str, bool], list[Key]] = {}
-            for tier, key in self._saving.pop(req_id, []):
-                # forgotten only when no rank holds it: a chunk some ranks stored stays tracked (evictable);
-                # the failed rank's load of it is reported and recomputed
-                ok = len(failures.get((tier, key), ())) < self._tp_size
-                done.setdefault((tier, ok), []).append(key)
-            for (tier, ok), keys in done.items():
-                self.directory.complete_store(tier, keys, ok)
-                if not ok:
-                    logger.warning("%d chunk(s) of %s were not stored in tier %s; forgotten", len(keys), req_id, tier)
+            self._inflight.finish(req_id)
         for req_id in output.finished_recving or ():
             for tier, keys in self._async_pins.pop(req_id, []):
                 self.directory.unpin(tier, keys)
@@ -400,23 +386,10 @@ class SchedulerHalf:
         self._sources.pop(req_id, None)
         for block in self._req_load_blocks.pop(req_id, []):
             self._load_blocks.pop(block, None)
-        return req_id in self._saving, None
+        return self._inflight.pending(req_id), None
 
     def close(self) -> None:
         """Forget per-request state (the directory and tiers belong to the owner)."""
         self._requests.clear()
         self._hits.clear()
 
-
-def _block_at(ids: Sequence[int], j: int) -> int:
-    return ids[j] if j < len(ids) else NULL_BLOCK
-
-
-def _chunk_blocks(block_ids: Sequence[Sequence[int]], group: int, chunk: int, per_chunk: int) -> tuple[int, ...] | None:
-    """Block ids of one chunk of a group, or None when any is missing or null (not savable)."""
-    if group >= len(block_ids):
-        return None
-    ids = tuple(block_ids[group][chunk * per_chunk:(chunk + 1) * per_chunk])
-    if len(ids) < per_chunk or NULL_BLOCK in ids:
-        return None
-    return ids

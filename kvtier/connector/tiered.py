@@ -1,22 +1,25 @@
-"""KVTierConnector: kvtier's connector, engine-neutral. It branches on role and delegates:
+"""TieredConnector: kvtier's connector, engine-neutral. It branches on role and delegates:
 
 * SCHEDULER role -> ``SchedulerHalf`` (kvtier.connector.scheduler): directory of the local tiers, lookups,
   load and save plans shipped as ``KVTierMetadata``.
 * WORKER role -> ``WorkerHalf`` (kvtier.connector.worker): a ``TieredStore`` holding the bytes; executes plans.
 
-Built by an engine as ``KVTierConnector(vllm_config, role, kv_cache_config)``: kvtier's config comes from
-``vllm_config.kv_transfer_config.kv_connector_extra_config`` (``config_file`` plus override keys). A single
-process (reference engine, benchmarks) builds both halves with ``from_config(cfg, role, kcc, store=...,
-loop=...)`` so that they share one TieredStore: the scheduler half then uses the store's own directory.
+Built by an engine as ``TieredConnector(vllm_config, role, kv_cache_config)``: kvtier's config comes from
+``vllm_config.kv_transfer_config.kv_connector_extra_config`` (``config_file`` plus override keys), read with the
+engine's other settings by kvtier.connector.settings. The reference engine names this class ``KVTierConnector``
+(kvtier.connector.factory); vLLM's ``KVTierConnector`` is this class with vLLM's base (kvtier.integrations.vllm).
+A single process (reference engine, benchmarks) builds both halves with ``from_config(cfg, role, kcc,
+store=..., loop=...)`` so that they share one TieredStore: the scheduler half then uses the store's own
+directory.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtier.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers, with_pool_slots
+from kvtier.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
 from kvtier.config import KvtierConfig, TierKind, load_config
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
 from kvtier.connector.capability import prefix_resume_blocker, weights_blocker
@@ -24,12 +27,15 @@ from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.report import WorkerReport
 from kvtier.connector.scheduler import SchedulerHalf
-from kvtier.connector.worker import WorkerHalf
+from kvtier.connector.settings import EngineSettings, layout_from_model, read_settings
 from kvtier.errors import ConnectorError
-from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, dtype_name, from_vllm
+from kvtier.layout import KVCacheConfig, from_vllm
 from kvtier.runtime import LoopThread
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from kvtier.connector.worker import WorkerHalf
 
 logger = logging.getLogger(__name__)
 
@@ -46,42 +52,31 @@ def hmac_key(cfg: KvtierConfig) -> bytes | None:
     return load_hmac_key(cfg.security)
 
 
-def config_from_engine(vllm_config: Any) -> KvtierConfig:
+def config_from_engine(engine: EngineSettings) -> KvtierConfig:
     """kvtier's config from the engine's ``kv_connector_extra_config`` (``config_file`` + overrides)."""
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
-    return load_config(None, overrides=extra)
+    return load_config(None, overrides=dict(engine.extra))
 
 
-def config_from_vllm_model(vllm_config: Any) -> KVCacheConfig:
-    """A one-group layout from the engine's model and cache config, for schedulers given no KV-cache config."""
-    try:
-        model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-        dtype = cache.cache_dtype if cache.cache_dtype not in (None, "auto") else model.dtype
-        spec = FullAttentionSpec(int(cache.block_size), int(model.get_num_kv_heads(parallel)),
-                                 int(model.get_head_size()), dtype_name(dtype))
-        layers = int(model.get_num_layers(parallel))
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise ConnectorError("KVTierConnector needs a kv_cache_config, or a vllm_config with model_config, "
-                             f"parallel_config and cache_config to derive one ({exc})") from exc
-    return KVCacheConfig((KVCacheGroupSpec(tuple(f"layer.{i}" for i in range(layers)), spec),))
+class TieredConnector(KVConnectorBase, SupportsHMA):
+    """kvtier's multi-tier KV connector (both roles). An engine's adapter subclasses it together with the
+    engine's own connector base (kvtier.integrations.vllm), so each call is one hop from a half."""
 
-
-class KVTierConnector(KVConnectorBase, SupportsHMA):
-    """kvtier's multi-tier KV connector (both roles)."""
+    stats_type: ClassVar[type[KVConnectorStats]] = KVConnectorStats  # what get_kv_connector_stats returns
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *,
                  kvtier_config: KvtierConfig | None = None, store: TieredStore | None = None,
                  loop: LoopThread | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        pipeline = int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
-        if pipeline > 1:
+        self._engine = engine = read_settings(vllm_config)
+        if engine.pipeline_size > 1:
             # each stage's workers hold other layers under the same chunk hashes; keys and disk directories
             # would have to carry the stage, which they do not yet
             raise ConnectorError(f"kvtier does not support pipeline parallelism (pipeline_parallel_size="
-                                 f"{pipeline}); run with pipeline_parallel_size 1 (tensor parallelism is supported)")
+                                 f"{engine.pipeline_size}); run with pipeline_parallel_size 1 (tensor parallelism "
+                                 "is supported)")
         kcc = from_vllm(kv_cache_config) if kv_cache_config is not None else None
-        cfg = with_pool_slots(kvtier_config if kvtier_config is not None else config_from_engine(vllm_config), kcc)
+        # as the operator wrote it: each role applies pool slots and rank-local paths when it opens the tiers
+        cfg = kvtier_config if kvtier_config is not None else config_from_engine(engine)
         self.kvtier_config = cfg
         self._owns_loop = loop is None
         self._loop = loop or LoopThread("kvtier-connector")
@@ -101,7 +96,7 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
 
     @classmethod
     def from_config(cls, cfg: KvtierConfig, role: Any, kv_cache_config: Any, *, store: TieredStore | None = None,
-                    loop: LoopThread | None = None, vllm_config: Any = None) -> KVTierConnector:
+                    loop: LoopThread | None = None, vllm_config: Any = None) -> TieredConnector:
         """Build from a kvtier config directly; pass one started ``store`` (and its ``loop``) to both halves of
         a single process so that they share the tiers and the directory."""
         return cls(vllm_config, role, kv_cache_config, kvtier_config=cfg, store=store, loop=loop)
@@ -109,11 +104,11 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
     # ---- construction ----------------------------------------------------------------------------------
     def _build_scheduler(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> SchedulerHalf:
         if kcc is None:
-            logger.warning("KVTierConnector got no kv_cache_config: deriving one full-attention group from the "
+            logger.warning("TieredConnector got no kv_cache_config: deriving one full-attention group from the "
                            "model config; pass the engine's KVCacheConfig for hybrid models")
-            kcc = config_from_vllm_model(self._vllm_config)
-        blocker = prefix_resume_blocker(self._vllm_config, cfg.serve_without_prefix_caching)
-        ident = identity_from(cfg, self._vllm_config, tp_rank=0, fingerprinted=blocker is None)
+            kcc = layout_from_model(self._vllm_config)
+        blocker = prefix_resume_blocker(self._engine, cfg.serve_without_prefix_caching)
+        ident = identity_from(cfg, self._engine, tp_rank=0, fingerprinted=blocker is None)
         blocker = blocker or weights_blocker(ident.fingerprint)
         spaces = namespaces(ident, kcc, cfg.chunk_size)
         if self._store is not None:
@@ -130,10 +125,12 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
                              loop=self._loop, tp_size=ident.tp_size, blocker=blocker)
 
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
+        from kvtier.connector.worker import WorkerHalf  # torch: only worker processes import it
+
         # rank 0 stores under the scheduler's keys as shipped; other ranks key their own shards (kvtier.keying)
-        ident = identity_from(cfg, self._vllm_config, tp_rank=self._worker_tp_rank(), fingerprinted=False)
-        if ident.tp_rank != 0 and prefix_resume_blocker(self._vllm_config, cfg.serve_without_prefix_caching) is None:
-            ident = identity_from(cfg, self._vllm_config, tp_rank=ident.tp_rank)
+        ident = identity_from(cfg, self._engine, tp_rank=self._worker_tp_rank(), fingerprinted=False)
+        if ident.tp_rank != 0 and prefix_resume_blocker(self._engine, cfg.serve_without_prefix_caching) is None:
+            ident = identity_from(cfg, self._engine, tp_rank=ident.tp_rank)
         if self._store is None:
             self._store = TieredStore.from_config(cfg, hmac_key=hmac_key(cfg), kcc=kcc, role=Role.WORKER,
                                                   rank=ident.tp_rank, tp_size=ident.tp_size)
@@ -151,12 +148,12 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
 
     def _sched(self) -> SchedulerHalf:
         if self._scheduler is None:
-            raise ConnectorError("scheduler-side method called on a worker-role KVTierConnector")
+            raise ConnectorError("scheduler-side method called on a worker-role TieredConnector")
         return self._scheduler
 
     def _work(self) -> WorkerHalf:
         if self._worker is None:
-            raise ConnectorError("worker-side method called on a scheduler-role KVTierConnector")
+            raise ConnectorError("worker-side method called on a scheduler-role TieredConnector")
         return self._worker
 
     # ---- worker side -----------------------------------------------------------------------------------
@@ -190,7 +187,8 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
         return self._work().get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker.stats() if self._worker is not None else None
+        stats = self._worker.stats() if self._worker is not None else None
+        return None if stats is None else self.stats_type(data=dict(stats.data))
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         return self._worker.report() if self._worker is not None else None
@@ -241,12 +239,11 @@ class KVTierConnector(KVConnectorBase, SupportsHMA):
 
     def _close_owned(self) -> Sequence[BaseException]:
         errors: list[BaseException] = []
-        closers = [close_tiers(self._sched_tiers)]
-        if self._owns_store and self._store is not None:
-            closers.append(self._store.close())
-        for close in closers:
+        tiers, store = self._sched_tiers, self._store if self._owns_store else None
+        closers = [lambda: close_tiers(tiers)] + ([store.close] if store is not None else [])
+        for close in closers:  # each coroutine made only when it runs: none is left un-awaited
             try:
-                self._loop.run(close)
+                self._loop.run(close())
             except Exception as exc:
                 errors.append(exc)
         self._sched_tiers = []

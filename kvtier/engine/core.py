@@ -61,7 +61,7 @@ class RequestSpec:
 
 
 class KVTierPair:
-    """Builds both KVTierConnector halves of one process over one TieredStore (and its I/O loop), opened on the
+    """Builds both TieredConnector halves of one process over one TieredStore (and its I/O loop), opened on the
     first half built, for the engine's KV-cache config (kvtier.assembly, as the connector opens its own).
 
     Use as the engine's ``connector``; the engine closes it after shutting the halves down.
@@ -97,10 +97,10 @@ class KVTierPair:
         return self._store
 
     def __call__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> KVConnectorBase:
-        from kvtier.connector.tiered import KVTierConnector
+        from kvtier.connector.tiered import TieredConnector
 
         store = self._open(kv_cache_config)
-        return KVTierConnector.from_config(self.cfg, role, kv_cache_config, store=store, loop=self.loop,
+        return TieredConnector.from_config(self.cfg, role, kv_cache_config, store=store, loop=self.loop,
                                            vllm_config=vllm_config)
 
     def close(self) -> None:

@@ -13,11 +13,11 @@ Chained (loads from the first child that hits, saves to all)::
           "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": "kvtier.yaml"}},
          {"kv_connector": "MyOldConnector", "kv_connector_module_path": "my.module", "kv_role": "kv_both"}]}}
 
-Both classes subclass vLLM's ``KVConnectorBase_V1`` and ``SupportsHMA``, take ``(vllm_config, role,
-kv_cache_config=None)``, keep vLLM's ``KVCacheConfig`` as ``_kv_cache_config`` and delegate to kvtier's
-engine-neutral connectors (``kvtier.connector.tiered.KVTierConnector`` with kvtier's role and
-``kvtier.layout.from_vllm(kv_cache_config, vllm_config)``, the layout resolved once per start;
-``kvtier.connector.multi.MultiConnector`` with vLLM's objects).
+Both classes ARE kvtier's engine-neutral connectors (``kvtier.connector.tiered.TieredConnector``, given
+``kvtier.layout.from_vllm(kv_cache_config, engine_settings)``, the layout resolved once per start;
+``kvtier.connector.multi.MultiConnector``, given vLLM's objects) with vLLM's ``KVConnectorBase_V1`` and
+``SupportsHMA`` as further bases: each call is one hop from a half or a child. They take ``(vllm_config, role,
+kv_cache_config=None)``, keep vLLM's ``KVCacheConfig`` as ``_kv_cache_config`` and add only vLLM's own hooks.
 
 The composite is deliberately NOT called ``MultiConnector``: vLLM 0.33 special-cases that name and checks its
 children with its own rules, which reject legacy children.
@@ -61,11 +61,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvtier.config import TierKind
 from kvtier.connector import base as kvbase
+from kvtier.connector import settings
 from kvtier.connector.factory import ConnectorFactory
 from kvtier.connector.legacy import adapter_base
 from kvtier.connector.multi import MultiConnector, MultiConnectorStats, required_layout
 from kvtier.connector.report import ChildReports, WorkerReport
-from kvtier.connector.tiered import KVTierConnector as TieredConnector
+from kvtier.connector.tiered import TieredConnector
 from kvtier.errors import ConnectorError
 from kvtier.layout import from_vllm
 
@@ -100,9 +101,7 @@ KVConnectorWorkerMetadata.register(WorkerReport)
 
 def _child_transfer_configs(kv_transfer_config: Any) -> list[Any]:
     """The children's KVTransferConfigs, without building a VllmConfig (for classmethods)."""
-    children = kv_transfer_config.kv_connector_extra_config.get("connectors") or []
-    return [KVTransferConfig(**{**c, "engine_id": c.get("engine_id", kv_transfer_config.engine_id)})
-            for c in children]
+    return [KVTransferConfig(**fields) for fields in settings.child_fields(kv_transfer_config)]
 
 
 def _child_class(kv_transfer_config: Any) -> Any:
@@ -120,7 +119,7 @@ def prefer_recompute(vllm_config: Any) -> None:
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if ktc is None or getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute":
         return
-    if (ktc.kv_connector_extra_config or {}).get("load_failure_policy", "recompute") != "recompute":
+    if settings.extra_config(ktc).get("load_failure_policy", "recompute") != "recompute":
         return
     try:
         ktc.kv_load_failure_policy = "recompute"
@@ -130,131 +129,27 @@ def prefer_recompute(vllm_config: Any) -> None:
                        "fails requests instead of recomputing them")
 
 
-def to_kvtier_role(role: Any) -> kvbase.KVConnectorRole:
-    """vLLM's ``KVConnectorRole`` -> kvtier's (same values)."""
-    return kvbase.KVConnectorRole(role.value)
+# kvtier's engine-neutral signatures name kvtier's types where vLLM's name vLLM's (same calls and values), hence
+# the ignores on the two classes below
+class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # type: ignore[misc]
+    """kvtier's tiered KV cache as a vLLM connector (scheduler half or worker half, by role): kvtier's
+    engine-neutral connector with vLLM's base class and the hooks only vLLM has."""
 
-
-class _Facade(KVConnectorBase_V1, VllmSupportsHMA):
-    """vLLM's connector API delegated to an engine-neutral kvtier connector ``self._impl``."""
-
-    _impl: Any
+    stats_type = KVTierStats
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         prefer_recompute(vllm_config)
-
-    def _wrap_stats(self, stats: Any) -> Any:
-        return stats
-
-    @property
-    def prefer_cross_layer_blocks(self) -> bool:
-        return bool(self._impl.prefer_cross_layer_blocks)
-
-    # ---- worker side -------------------------------------------------------------------------------
-    def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        self._impl.bind_connector_metadata(connector_metadata)
-
-    def clear_connector_metadata(self) -> None:
-        self._impl.clear_connector_metadata()
-        super().clear_connector_metadata()
-
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._impl.register_kv_caches(kv_caches)
-
-    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
-        self._impl.register_cross_layers_kv_cache(kv_cache, attn_backend)
-
-    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
-        self._impl.set_host_xfer_buffer_ops(copy_operation)
-
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        self._impl.handle_preemptions(kv_connector_metadata)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._impl.start_load_kv(forward_context, **kwargs)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self._impl.wait_for_layer_load(layer_name)
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        self._impl.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-
-    def wait_for_save(self) -> None:
-        self._impl.wait_for_save()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._impl.get_finished(finished_req_ids)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._impl.get_block_ids_with_load_errors()
-
-    def shutdown(self) -> None:
-        self._impl.shutdown()
-
-    def get_kv_connector_stats(self) -> Any:
-        return self._wrap_stats(self._impl.get_kv_connector_stats())
-
-    def get_kv_connector_kv_cache_events(self) -> Any:
-        return self._impl.get_kv_connector_kv_cache_events()
-
-    def build_connector_worker_meta(self) -> Any:
-        return self._impl.build_connector_worker_meta()
-
-    def get_handshake_metadata(self) -> Any:
-        return self._impl.get_handshake_metadata()
-
-    def get_finished_count(self) -> int | None:
-        return self._impl.get_finished_count()
-
-    # ---- scheduler side ----------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._impl.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._impl.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        return self._impl.build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        self._impl.update_connector_output(connector_output)
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._impl.request_finished(request, block_ids)
-
-    def request_finished_all_groups(self, request: Any,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return self._impl.request_finished_all_groups(request, block_ids)
-
-    def take_events(self) -> Any:
-        return self._impl.take_events()
-
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        self._impl.set_xfer_handshake_metadata(metadata)
-
-    def reset_cache(self) -> bool | None:
-        return self._impl.reset_cache()
-
-
-class _TieredForVllm(TieredConnector):
-    """kvtier's engine-neutral connector, told this worker's tensor-parallel rank by vLLM."""
+        # the layout the engine core resolved, converted once for both halves (kvtier.layout.from_vllm)
+        engine = settings.read_settings(vllm_config)
+        layout = from_vllm(kv_cache_config, engine) if kv_cache_config is not None else None
+        TieredConnector.__init__(self, vllm_config, role, layout)
+        self._kv_cache_config = kv_cache_config  # vLLM's own: its base class's defaults read it
 
     def _worker_tp_rank(self) -> int | None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
 
         return int(get_tensor_model_parallel_rank()) if model_parallel_is_initialized() else None
-
-
-class KVTierConnector(_Facade):
-    """kvtier's tiered KV cache as a vLLM connector (scheduler half or worker half, by role)."""
-
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        # the layout the engine core resolved, converted once for both halves (kvtier.layout.from_vllm)
-        layout = from_vllm(kv_cache_config, vllm_config) if kv_cache_config is not None else None
-        self._impl = _TieredForVllm(vllm_config, to_kvtier_role(role), layout)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -270,102 +165,96 @@ class KVTierConnector(_Facade):
         names = {TierKind.GPU: CacheHitSource.HOST, TierKind.CPU: CacheHitSource.HOST,
                  TierKind.DISK: CacheHitSource.DISK}
         out: dict[Any, int] = {}
-        for kind, tokens in self._impl.hit_sources(request).items():
+        for kind, tokens in self.hit_sources(request).items():
             source = names.get(kind, CacheHitSource.EXTERNAL_UNSPECIFIED)
             out[source] = out.get(source, 0) + tokens
         return out
-
-    def _wrap_stats(self, stats: Any) -> Any:
-        return None if stats is None else KVTierStats(data=dict(stats.data))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return KVTierStats(data=dict(data or {}))
 
 
-class KVTierMultiConnector(_Facade):
-    """Child connectors chained as one (kvtier's MultiConnector rules), children built by kvtier's factory."""
+class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):  # type: ignore[misc]
+    """Child connectors chained as one (kvtier's MultiConnector rules, children built by kvtier's factory), with
+    vLLM's base class and vLLM's own hooks forwarded to the children."""
+
+    stats_type = KVTierMultiStats
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._impl = MultiConnector(vllm_config, role, kv_cache_config, factory=VLLM_FACTORY,
-                                    hma_check=vllm_supports_hma)
-
-    @property
-    def sub_connectors(self) -> list[Any]:
-        return self._impl.sub_connectors
-
-    def _wrap_stats(self, stats: Any) -> Any:
-        return None if stats is None else KVTierMultiStats(data=dict(stats.data))
+        KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        prefer_recompute(vllm_config)
+        MultiConnector.__init__(self, vllm_config, role, kv_cache_config, factory=VLLM_FACTORY,
+                                hma_check=vllm_supports_hma)
 
     # ---- vLLM-only hooks, forwarded to the children -------------------------------------------------
     @property
     def requires_kv_delivery(self) -> bool:
-        return any(c.requires_kv_delivery for c in self._impl.sub_connectors)
+        return any(c.requires_kv_delivery for c in self.sub_connectors)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
-        children = self._impl.sub_connectors
+        children = self.sub_connectors
         return bool(children) and all(c.supports_divergent_local_hybrid_hits for c in children)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
-        self._impl.call_children("bind_kv_cache_manager", kv_cache_manager)
+        self.call_children("bind_kv_cache_manager", kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        self._impl.call_children("bind_gpu_block_pool", gpu_block_pool)
+        self.call_children("bind_gpu_block_pool", gpu_block_pool)
 
     def on_new_request(self, request: Any) -> None:
-        self._impl.call_children("on_new_request", request)
+        self.call_children("on_new_request", request)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        child = self._impl.loading_connector(request.request_id)
+        child = self.loading_connector(request.request_id)
         if child is None:
             return super().get_loaded_kv_cache_group_ids(request)
         return child.get_loaded_kv_cache_group_ids(request)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
-        child = self._impl.loading_connector(request.request_id)
+        child = self.loading_connector(request.request_id)
         if child is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return child.get_external_cache_hit_sources(request, num_external_tokens)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = KVConnectorTransferResults()
-        for child in self._impl.sub_connectors:
+        for child in self.sub_connectors:
             child_results = child.get_transfer_results(finished_req_ids)
             results.finished_recving |= child_results.finished_recving
             results.failed_recving |= child_results.failed_recving
-            results.finished_sending |= self._impl.count_finished_sending(child_results.finished_sending)
+            results.finished_sending |= self.count_finished_sending(child_results.finished_sending)
         return results
 
     def has_pending_block_frees(self) -> bool:
-        return any(self._impl.call_children("has_pending_block_frees"))
+        return any(self.call_children("has_pending_block_frees"))
 
     def has_pending_push_work(self) -> bool:
-        return any(self._impl.call_children("has_pending_push_work"))
+        return any(self.call_children("has_pending_push_work"))
 
     def register_finished_partial_tail(self, request: Any, block_ids: Any, partial_tail_offloads: Any) -> bool:
-        return any(self._impl.call_children("register_finished_partial_tail", request, block_ids,
+        return any(self.call_children("register_finished_partial_tail", request, block_ids,
                                             partial_tail_offloads))
 
     def unregister_kv_caches(self) -> None:
-        self._impl.call_children("unregister_kv_caches")
+        self.call_children("unregister_kv_caches")
 
     def restore_kv_caches(self) -> None:
-        self._impl.call_children("restore_kv_caches")
+        self.call_children("restore_kv_caches")
 
     def finish_forward(self) -> None:
-        self._impl.call_children("finish_forward")
+        self.call_children("finish_forward")
 
     def reset_capture_state(self) -> None:
-        self._impl.call_children("reset_capture_state")
+        self.call_children("reset_capture_state")
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
-        self._impl.call_children("set_xfer_handshake_metadata_pp_aware", metadata)
+        self.call_children("set_xfer_handshake_metadata_pp_aware", metadata)
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
-        pools = [p for p in self._impl.call_children("get_mem_pool_context") if p is not None]
+        pools = [p for p in self.call_children("get_mem_pool_context") if p is not None]
         if len(pools) > 1:
             raise ConnectorError("several child connectors provide a KV-cache memory pool; the KV cache is "
                                  "allocated once: configure a custom pool on one child at most")
@@ -377,9 +266,8 @@ class KVTierMultiConnector(_Facade):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        children = extra_config.get("connectors") or []
-        return any(_child_class(KVTransferConfig(**c)).requires_piecewise_for_cudagraph(
-            c.get("kv_connector_extra_config") or {}) for c in children)
+        children = [KVTransferConfig(**c) for c in extra_config.get("connectors") or []]
+        return any(_child_class(c).requires_piecewise_for_cudagraph(settings.extra_config(c)) for c in children)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

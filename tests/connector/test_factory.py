@@ -153,9 +153,9 @@ def test_fallback_registry_is_consulted_and_not_probed() -> None:
 
 def test_builtin_names_resolve_to_kvtier_classes() -> None:
     from kvtier.connector.multi import MultiConnector
-    from kvtier.connector.tiered import KVTierConnector
+    from kvtier.connector.tiered import TieredConnector
 
-    for name, cls in [("KVTierConnector", KVTierConnector), ("MultiConnector", MultiConnector),
+    for name, cls in [("KVTierConnector", TieredConnector), ("MultiConnector", MultiConnector),
                       ("KVTierMultiConnector", MultiConnector)]:
         resolved = DEFAULT_FACTORY.resolve(engine_config(name, module=None).kv_transfer_config)
         assert resolved.cls is cls and resolved.style is ConstructorStyle.BUILTIN

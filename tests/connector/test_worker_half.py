@@ -1,4 +1,4 @@
-"""KVTierConnector's worker half: load errors from a corrupt or deleted disk record, finished reports, preemption
+"""TieredConnector's worker half: load errors from a corrupt or deleted disk record, finished reports, preemption
 flush, layouts, pickling of metadata and stats. Real cpu and disk tiers; the scheduler half writes the plans.
 """
 
@@ -20,7 +20,7 @@ from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyCon
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces, request_keys
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.connector.tiered import KVTierConnector
+from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
 from kvtier.connector.worker import WorkerHalf
 from kvtier.directory import StorePlan
@@ -55,8 +55,8 @@ class Engine:
     """Drives both halves like vLLM's scheduler and model runner (metadata and outputs pickled)."""
 
     def __init__(self, cfg: KvtierConfig, kv: dict[str, torch.Tensor]) -> None:
-        self.sched = KVTierConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
-        self.work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
+        self.sched = TieredConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
+        self.work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
         self.work.register_kv_caches(kv)
 
     def step(self, out: SchedulerOutput, *, save: bool = True) -> KVConnectorOutput:
@@ -229,7 +229,7 @@ def test_methods_of_the_other_role_are_refused(tmp_path: Path) -> None:
 
 def test_kv_cache_config_none_derives_one_group(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, ("cpu",))
-    work = KVTierConnector.from_config(cfg, KVConnectorRole.WORKER, None)
+    work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, None)
     try:
         work.register_kv_caches(paged(8))
         assert work._worker is not None and work._worker.kcc is not None
@@ -244,7 +244,7 @@ def test_built_from_the_engine_extra_config(tmp_path: Path) -> None:
     extra = {"config_file": str(conf), "chunk_size": C}  # the engine's keys override the file
     engine = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
     for role in KVConnectorRole:
-        conn = KVTierConnector(engine, role, KCC)
+        conn = TieredConnector(engine, role, KCC)
         try:
             assert conn.kvtier_config.chunk_size == C
             assert [t.name for t in conn.kvtier_config.tiers] == ["cpu"]
@@ -256,7 +256,7 @@ def test_built_from_the_engine_extra_config(tmp_path: Path) -> None:
 def test_a_paged_layout_that_disagrees_with_the_config_disables_kvtier_or_fails_in_strict_mode(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     heads_first = {n: torch.zeros(2, NB, 2, BS, 4) for n in KCC.kv_cache_groups[0].layer_names}
-    work = KVTierConnector.from_config(make_cfg(tmp_path, ("cpu",)), KVConnectorRole.WORKER, KCC)
+    work = TieredConnector.from_config(make_cfg(tmp_path, ("cpu",)), KVConnectorRole.WORKER, KCC)
     try:
         with caplog.at_level("ERROR"):
             work.register_kv_caches(heads_first)  # the engine still starts
@@ -271,7 +271,7 @@ def test_a_paged_layout_that_disagrees_with_the_config_disables_kvtier_or_fails_
     finally:
         work.shutdown()
     strict = dataclasses.replace(make_cfg(tmp_path, ("cpu",)), strict=True)
-    work = KVTierConnector.from_config(strict, KVConnectorRole.WORKER, KCC)
+    work = TieredConnector.from_config(strict, KVConnectorRole.WORKER, KCC)
     try:
         with pytest.raises(ConnectorError, match="heads"):
             work.register_kv_caches(heads_first)

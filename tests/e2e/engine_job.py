@@ -35,22 +35,18 @@ def worker_connector() -> Any:
 def kvtier_totals(connector: Any) -> dict[str, float] | None:
     if connector is None:
         return None
-    impl = connector._impl
-    children = getattr(impl, "sub_connectors", None)
+    children = getattr(connector, "sub_connectors", None)
     if children is not None:  # KVTierMultiConnector: kvtier is the first child
-        impl = children[0]._impl
-    worker = getattr(impl, "_worker", None)
+        connector = children[0]
+    worker = getattr(connector, "_worker", None)
     if worker is None:
         return None
     worker.flush()  # saves are written in the background: count them once they are done
     return {**worker.totals(), "disabled": worker.disabled is not None}
 
 
-def main(spec_path: str, out_path: str) -> None:
-    with open(spec_path) as f:
-        spec = json.load(f)
-    from vllm import LLM, SamplingParams
-
+def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``LLM`` arguments for a job spec: the tiny model, and kvtier (alone or chained) when it asks."""
     kw: dict[str, Any] = {
         "model": spec["model"], "skip_tokenizer_init": True, "block_size": 32, "max_model_len": 1024,
         "enforce_eager": True, "dtype": spec.get("dtype", "float32"), "seed": 0, "max_num_seqs": 8,
@@ -70,9 +66,13 @@ def main(spec_path: str, out_path: str) -> None:
         kw["kv_transfer_config"] = {"kv_connector": "KVTierMultiConnector",
                                     "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"connectors": [kvtier, legacy]}}
-    t = time.perf_counter()
-    llm = LLM(**kw)
-    engine_s = time.perf_counter() - t
+    return kw
+
+
+def run_phases(llm: Any, spec: dict[str, Any]) -> tuple[list[list[dict[str, Any]]], list[float]]:
+    """Each phase's prompts, greedy: tokens, logprobs and vLLM's count of cached tokens per prompt."""
+    from vllm import SamplingParams
+
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1, ignore_eos=True,
                             detokenize=False)
     phases: list[list[dict[str, Any]]] = []
@@ -91,6 +91,18 @@ def main(spec_path: str, out_path: str) -> None:
         phases.append(results)
         if kill and kill["after_phase"] == i:
             os.kill(int(kill["pid"]), signal.SIGKILL)
+    return phases, phase_s
+
+
+def main(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from vllm import LLM
+
+    t = time.perf_counter()
+    llm = LLM(**engine_args(spec))
+    engine_s = time.perf_counter() - t
+    phases, phase_s = run_phases(llm, spec)
     connector = worker_connector()
     legacy_calls = None
     if spec.get("connector") == "multi" and connector is not None:

@@ -252,6 +252,19 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s: float = 300) -> None:
+    """Until the server answers /health; its log's tail if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.poll() is None, log.read_text()[-4000:]
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2):
+                return
+        except OSError:
+            assert time.monotonic() < deadline, f"server not ready after {timeout_s:.0f} s"
+            time.sleep(0.5)
+
+
 def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str], tuple[str, str]],
                                                           references: Callable[[str], dict[str, Any]],
                                                           workdir: Path) -> None:
@@ -277,15 +290,7 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (workdir / "server.log").read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "server not ready after 300 s"
-                time.sleep(0.5)
+        _wait_ready(server, base, workdir / "server.log")
         p = prompts()
         body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
                 "logprobs": 1}

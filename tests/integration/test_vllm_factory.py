@@ -26,8 +26,9 @@ def test_vllm_factory_builds_kvtier_connector(role: Any, kit: Any, make_vllm_con
         assert isinstance(conn, KVConnectorBase_V1) and isinstance(conn, SupportsHMA)
         assert conn.role is role
         assert conn._kv_cache_config is kcc
-        assert conn._impl.role.value == role.value  # kvtier's own role enum inside
-        layout = conn._impl._kv_cache_config  # vLLM's config converted to kvtier's model
+        half = conn._scheduler if role == KVConnectorRole.SCHEDULER else conn._worker
+        assert half is not None  # the half is one hop away: kvtier's connector is vLLM's connector
+        layout = half.kcc  # vLLM's config converted to kvtier's model
         assert layout == from_vllm(kcc) and layout.num_blocks == kcc.num_blocks
         assert layout.kv_cache_groups[0].layer_names == tuple(kit.layer_name(i) for i in range(4))
     finally:
@@ -46,7 +47,8 @@ def test_hma_stays_on_for_kvtier(disable_hma: bool | None, kit: Any, make_vllm_c
         conn = KVConnectorFactory.create_connector(cfg, role, kcc)
         try:
             assert conn._kv_cache_config is kcc
-            groups = conn._impl._kv_cache_config.kv_cache_groups
+            half = conn._scheduler if role == KVConnectorRole.SCHEDULER else conn._worker
+            groups = half.kcc.kv_cache_groups
             assert [g.kv_cache_spec.kind for g in groups] == [GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW]
         finally:
             conn.shutdown()

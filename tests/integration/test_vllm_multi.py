@@ -26,7 +26,6 @@ from kvtier.integrations.vllm import (
     KVTierMultiStats,
     KVTierMultiWorkerMetadata,
     LegacyConnectorBase,
-    _Facade,
 )
 
 MODULE = __name__
@@ -197,10 +196,28 @@ def test_hybrid_groups_with_a_legacy_child_say_what_to_change(kit: Any, make_vll
     multi.shutdown()
 
 
+def _owner(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
 def test_vllm_only_hooks_are_forwarded() -> None:
+    """Every call of vLLM's API is kvtier's own (one hop from the children), not vLLM's default, except the
+    Prometheus hook (not forwarded, said in the module docstring)."""
     public = {name for name, _ in inspect.getmembers(KVConnectorBase_V1) if not name.startswith("_")}
-    defined = set(KVTierMultiConnector.__dict__) | set(_Facade.__dict__)
-    assert public - defined == {"role", "has_connector_metadata", "build_prom_metrics"}
+    vllm_defaults = {name for name in public if _owner(KVTierMultiConnector, name) is KVConnectorBase_V1}
+    assert vllm_defaults == {"build_prom_metrics"}
+
+
+def test_one_connector_class_per_role_one_hop_from_the_halves() -> None:
+    """vLLM's classes are kvtier's engine-neutral connectors with vLLM's base: no forwarding layer between."""
+    from kvtier.connector.multi import MultiConnector
+    from kvtier.connector.tiered import TieredConnector
+
+    assert KVTierConnector.__mro__[1] is TieredConnector and KVTierMultiConnector.__mro__[1] is MultiConnector
+    for name in ("get_num_new_matched_tokens", "build_connector_meta", "start_load_kv", "wait_for_save",
+                 "get_finished", "build_connector_worker_meta", "request_finished_all_groups"):
+        assert _owner(KVTierConnector, name) is TieredConnector, name
+        assert _owner(KVTierMultiConnector, name) is MultiConnector, name
 
 
 def test_worker_metadata_reaches_its_own_child(kit: Any, make_vllm_config: Any, kvtier_config_file: Any) -> None:

@@ -137,6 +137,19 @@ CASES = [("cpu", layout, None) for layout in ("LBHNC", "LBNHC", "LHBNC", "BLHNC"
 CASES += [("cpu", "LBHNC", 8), ("cpu", "LBNHC", 8), ("disk", "LBHNC", None)]
 
 
+def _compute_and_save_r1(engine: Any) -> None:
+    """r1 computes the 64-token prefix and saves its 4 chunks in both groups; then its blocks are zeroed."""
+    engine.add("r1", PREFIX)
+    steps = list(engine.run())
+    assert steps[0].num_scheduled_tokens == {"r1": 64}
+    first = engine.metadata[0]
+    assert isinstance(first, KVTierMetadata)
+    assert sorted({s.group for s in first.saves}) == [0, 1]
+    assert all(len(s.keys) == 4 for s in first.saves)
+    for tensor in engine.kv.values():  # the engine reuses the blocks: nothing of r1 is left in them
+        tensor.zero_()
+
+
 @pytest.mark.parametrize(("tier", "layout", "kernel"), CASES)
 def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, layout: str, kernel: int | None,
                                                                    kit: Any, make_vllm_config: Any,
@@ -154,16 +167,7 @@ def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, la
         assert isinstance(engine.scheduler.connector, KVTierConnector)
         # A failed load (dead tier, corrupt record) recomputes instead of failing the request.
         assert engine.scheduler.recompute_kv_load_failures is True
-        engine.add("r1", PREFIX)
-        steps = list(engine.run())
-        assert steps[0].num_scheduled_tokens == {"r1": 64}
-        first = engine.metadata[0]
-        assert isinstance(first, KVTierMetadata)
-        assert sorted({s.group for s in first.saves}) == [0, 1]
-        assert all(len(s.keys) == 4 for s in first.saves)
-        for tensor in engine.kv.values():  # the engine reuses the blocks: nothing of r1 is left in them
-            tensor.zero_()
-
+        _compute_and_save_r1(engine)
         loaded: dict[int, list[int]] = {}
         sources: list[Any] = []
 
@@ -218,7 +222,7 @@ def test_kv_tensors_kvtier_cannot_read_disable_it_and_the_engine_still_serves(
         engine.add("r2", [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6])
         steps = list(engine.run())
         assert next(s for s in steps if "r2" in s.num_scheduled_tokens).num_scheduled_tokens == {"r2": 72}  # no hit
-        sched = engine.scheduler.connector._impl._scheduler
+        sched = engine.scheduler.connector._scheduler
         assert sched.disabled is True
         assert sched.directory.used_bytes("cpu") == 0  # r1's planned saves were forgotten
         assert not [spec for meta in engine.metadata[1:] for spec in meta.saves]  # no saves planned after step 1

@@ -15,7 +15,7 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.memory.copies import copy_pieces
 from kvtier.tiers.memory.cpu import CpuTier
 from kvtier.tiers.memory.free_runs import FreeRuns
-from kvtier.tiers.memory.pool import SlotPool
+from kvtier.tiers.memory.slots import SlotPool
 
 
 class TestCpuContract(TierContract):

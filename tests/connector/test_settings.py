@@ -1,0 +1,60 @@
+"""The one reader of engine settings (kvtier.connector.settings): what it reads, its defaults, its errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from kvtier.connector.settings import EngineSettings, child_configs, child_fields, read_settings
+from kvtier.errors import ConnectorError
+
+
+def vllm_like(extra: dict[str, object] | None = None) -> NS:
+    return NS(kv_transfer_config=NS(kv_connector_extra_config=extra, engine_id="e0"),
+              cache_config=NS(enable_prefix_caching=False, kv_cache_layout="NHD", cache_dtype="auto"),
+              scheduler_config=NS(enable_chunked_prefill=True),
+              parallel_config=NS(pipeline_parallel_size=1, tensor_parallel_size=4, rank=6),
+              model_config=NS(model="org/tiny", revision="r1", hf_config=None, dtype="float32", quantization=None),
+              device_config=NS(device_type="cpu"))
+
+
+def test_an_engine_that_says_nothing_gets_the_defaults() -> None:
+    assert read_settings(None) == EngineSettings()
+    bare = read_settings(NS())
+    assert (bare.extra, bare.prefix_caching, bare.tp_size, bare.rank, bare.model) == ({}, None, 1, 0, None)
+    assert bare.model_facts() is None
+
+
+def test_a_vllm_config_is_read_once_into_plain_values() -> None:
+    engine = read_settings(vllm_like({"config_file": "k.yaml", "chunk_size": 64}))
+    assert engine.extra == {"config_file": "k.yaml", "chunk_size": 64}
+    assert (engine.prefix_caching, engine.chunked_prefill) == (False, True)
+    assert (engine.pipeline_size, engine.tp_size, engine.rank) == (1, 4, 6)
+    assert (engine.model, engine.kv_cache_layout, engine.device_type) == ("org/tiny", "NHD", "cpu")
+    facts = engine.model_facts()
+    assert facts is not None and (facts.model, facts.revision, facts.dtype) == ("org/tiny", "r1", "float32")
+
+
+def test_children_inherit_the_engine_id_and_get_their_own_transfer_config() -> None:
+    parent = vllm_like({"connectors": [{"kv_connector": "A"}, {"kv_connector": "B", "engine_id": "x"}]})
+    assert [f["engine_id"] for f in child_fields(parent.kv_transfer_config)] == ["e0", "x"]
+
+    class Transfer(NS):
+        pass
+
+    parent.kv_transfer_config = Transfer(**vars(parent.kv_transfer_config))
+    subs = child_configs(parent)
+    assert [type(s.kv_transfer_config) for s in subs] == [Transfer, Transfer]
+    assert [s.kv_transfer_config.kv_connector for s in subs] == ["A", "B"]
+    assert all(s.model_config is parent.model_config for s in subs)  # shallow copies of the engine's config
+
+
+@pytest.mark.parametrize("extra, message", [
+    (None, "needs kv_connector_extra_config\\['connectors'\\]"),
+    ({"connectors": []}, "a non-empty list"),
+    ({"connectors": ["KVTierConnector"]}, r"\['connectors'\]\[0\] must be a dict"),
+])
+def test_a_malformed_child_list_is_one_clear_error(extra: dict[str, object] | None, message: str) -> None:
+    with pytest.raises(ConnectorError, match=message):
+        child_fields(vllm_like(extra).kv_transfer_config)

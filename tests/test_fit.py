@@ -1,0 +1,82 @@
+"""The fit rule (kvtier.fit.check_fit): chunk_size is a multiple of every attention group's block size (Mamba
+groups exempt), and every tier holds one chunk record of each group placed on it; errors name the key path and
+the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtier.config import KvtierConfig, load_config
+from kvtier.errors import ConfigError
+from kvtier.fit import check_fit
+from kvtier.layout import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    simple_config,
+)
+
+
+def config(chunk_size: int = 256, tiers: list[dict[str, Any]] | None = None, **extra: Any) -> KvtierConfig:
+    """A config of ``chunk_size`` tokens a chunk; one 1 GiB cpu tier unless ``tiers`` are given."""
+    tiers = tiers or [{"name": "cpu", "kind": "cpu", "capacity": "1GiB"}]
+    return load_config({"chunk_size": chunk_size, "tiers": tiers, **extra}, env={})
+
+
+def test_check_fit_chunk_multiple_of_block_size() -> None:
+    cfg = config(chunk_size=100)
+    with pytest.raises(ConfigError) as info:
+        check_fit(cfg, simple_config(2, 1, 8, block_size=16))
+    assert info.value.path == "chunk_size" and "block size 16" in str(info.value)
+    assert "multiple of 16" in str(info.value)
+    check_fit(config(chunk_size=96), simple_config(2, 1, 8, block_size=16))
+    mixed = simple_config(4, 1, 8, block_size=32, sliding_window=64, swa_layers=[1])
+    with pytest.raises(ConfigError, match="chunk_size"):
+        check_fit(config(chunk_size=48), mixed)
+
+
+def test_check_fit_tier_smaller_than_a_chunk() -> None:
+    cfg = config(tiers=[{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}])
+    with pytest.raises(ConfigError) as info:
+        check_fit(cfg, simple_config(32, 8, 128))  # 32 MiB per chunk
+    assert info.value.path == "tiers[0].capacity"
+
+
+def test_a_mamba_group_with_an_odd_block_size_is_exempt() -> None:
+    """Mamba groups store one state per chunk: their block size (here 7) neither fails the check nor joins the
+    suggested multiple."""
+    kcc = KVCacheConfig((KVCacheGroupSpec(("a",), FullAttentionSpec(16, 1, 8, "float32")),
+                         KVCacheGroupSpec(("m",), MambaSpec(7, ((4,),), ("float32",)))))
+    check_fit(config(chunk_size=64), kcc)
+    with pytest.raises(ConfigError) as info:
+        check_fit(config(chunk_size=40), kcc)
+    assert info.value.path == "chunk_size" and "block size 16 of KV-cache group 0" in str(info.value)
+    assert info.value.hint == "use a multiple of 16, e.g. 32"
+
+
+def test_a_hybrid_of_block_sizes_16_and_48_suggests_their_lcm() -> None:
+    kcc = KVCacheConfig((KVCacheGroupSpec(("a",), FullAttentionSpec(16, 1, 8, "float32")),
+                         KVCacheGroupSpec(("s",), SlidingWindowSpec(48, 1, 8, "float32", sliding_window=96))))
+    with pytest.raises(ConfigError) as info:
+        check_fit(config(chunk_size=64), kcc)
+    assert info.value.path == "chunk_size"
+    assert "block size 48 of KV-cache group 1 (sliding_window)" in str(info.value)
+    assert info.value.hint == "use a multiple of 48, e.g. 48"
+    check_fit(config(chunk_size=96), kcc)
+
+
+def test_a_tier_too_small_for_one_record_names_its_capacity() -> None:
+    """The record is the chunk's bytes plus the record header: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes x 256
+    tokens = 32 MiB; the second tier (4 MiB) cannot hold it. A tier not holding the group is not checked."""
+    tiers = [{"name": "cpu", "kind": "cpu", "capacity": "1GiB"},
+             {"name": "small", "kind": "cpu", "capacity": "4MiB"}]
+    with pytest.raises(ConfigError) as info:
+        check_fit(config(tiers=tiers), simple_config(32, 8, 128))
+    assert info.value.path == "tiers[1].capacity"
+    assert "4 MiB cannot hold one chunk of group 0" in str(info.value)
+    assert info.value.hint == "raise capacity or lower chunk_size"
+    check_fit(config(tiers=tiers, placement={"full_attention": ["cpu"]}), simple_config(32, 8, 128))

@@ -11,7 +11,8 @@ Lifecycle of a chunk in one tier::
 A plan list is executed in order by whoever holds the bytes (``TieredStore.execute``): each plan first
 drops its ``evicted`` keys from its tier, then writes ``store`` (from the engine, or moved from ``source``
 for write-back demotion). Shared tiers (Redis) are not tracked: their plans store everything, evict nothing.
-All methods take one lock, so a scheduler thread and an I/O thread may share a directory.
+All methods take one lock, so a scheduler thread and an I/O thread may share a directory. Its counters
+(``stats``, a ``kvtier.metrics.DirectoryStats``) count the lookups it answers and the evictions it chooses.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvtier.keys import Key
+from kvtier.metrics import DirectoryStats
 from kvtier.policy import EvictionPolicy
 
 
@@ -56,20 +58,6 @@ class _Entry:
     state: ChunkState
     pins: int = 0
     parent: Key | None = None  # kept so a demoted chunk keeps its prefix structure in the next tier
-
-
-@dataclass
-class DirectoryStats:
-    """Counters of the control plane: lookups it answered (local tiers), its eviction decisions, and refusals: a
-    tier that could not take a chunk (``refused``, once per tier), a chunk no tier of its chain took (``unplaced``)."""
-
-    lookups: int = 0
-    hits: int = 0
-    evictions: int = 0
-    demotions: int = 0
-    refused: int = 0
-    unplaced: int = 0
-    evictions_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,6 +131,12 @@ class Directory:
     def contains(self, tier: str, key: Key) -> bool:
         with self._lock:
             return self._tiers[tier].ready(key)
+
+    def holds(self, tier: str, key: Key) -> bool:
+        """Whether ``tier`` has ``key`` ready or reserved for a write in flight (placement must not write it
+        elsewhere: a write-back chunk lives in one tier until it is demoted)."""
+        with self._lock:
+            return key in self._tiers[tier].entries
 
     def used_bytes(self, tier: str) -> int:
         return self._tiers[tier].used

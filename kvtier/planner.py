@@ -6,7 +6,8 @@
 * write-through: every tier of the chain.
 
 A chunk no tier of the chain takes is returned in ``Placement.unplaced`` (and counted by the directory as
-``unplaced``), never dropped silently. Chunks a tier already holds are not planned again for it.
+``unplaced``), never dropped silently. Chunks a tier already holds, ready or with a write in flight, are not
+planned again, for it or (write-back) for any tier after it.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _write_back(directory: Directory, chain: list[str], entries: list[Entry],
         made = directory.prepare_store(tier, _sized(tier, entries, stored_size), chain[i + 1:])
         plans.extend(made)
         taken = {k for p in made if p.tier == tier and p.source is None for k in p.store}
-        entries = [e for e in entries if e[0] not in taken and not directory.contains(tier, e[0])]
+        entries = [e for e in entries if e[0] not in taken and not directory.holds(tier, e[0])]
     return plans, [k for k, _, _ in entries]
 
 
@@ -75,5 +76,5 @@ def _write_through(directory: Directory, chain: list[str], entries: list[Entry],
         made = directory.prepare_store(tier, _sized(tier, entries, stored_size))
         plans.extend(made)
         placed.update(k for p in made if p.tier == tier for k in p.store)
-        placed.update(k for k, _, _ in entries if directory.contains(tier, k))
+        placed.update(k for k, _, _ in entries if directory.holds(tier, k))
     return plans, [k for k, _, _ in entries if k not in placed]

@@ -21,8 +21,9 @@ from kvtier.config import KvtierConfig, WritePolicy
 from kvtier.directory import Directory, StorePlan
 from kvtier.keys import Key
 from kvtier.layout import KVCacheConfig
+from kvtier.metrics import snapshot
 from kvtier.planner import place, promote
-from kvtier.tiers.base import Borrowing, Tier, TierStats
+from kvtier.tiers.base import Borrowing, Tier
 
 if TYPE_CHECKING:
     import torch
@@ -83,8 +84,11 @@ class TieredStore:
         """Close every tier (started or not: a tier's close is safe either way); re-raise once."""
         await close_tiers([self._tiers[n] for n in self._order])
 
-    def stats(self) -> dict[str, TierStats]:
-        return {name: self._tiers[name].stats() for name in self._order}
+    def stats(self) -> dict[str, float]:
+        """Every tier's counters and, when this store holds it, the directory's: one flat snapshot
+        (kvtier.metrics: ``tier_<name>_<field>``, ``directory_<field>``)."""
+        directory = self._directory.stats if self._directory is not None else None
+        return snapshot(tiers={name: self._tiers[name].stats() for name in self._order}, directory=directory)
 
     def _chain(self, tiers: Sequence[str] | None) -> list[str]:
         return [n for n in self._order if n in tiers] if tiers is not None else list(self._order)

@@ -26,6 +26,7 @@ from kvtier.config_parse import parse_size
 from kvtier.directory import Directory, TierSlot
 from kvtier.errors import ConfigError
 from kvtier.keys import Key
+from kvtier.metrics import snapshot
 from kvtier.policy import POLICIES, EvictionPolicy, make_policy
 from kvtier.progress import progress_bar
 
@@ -83,6 +84,7 @@ class ReplayStats:
     requests: int = 0
     hit_requests: int = 0
     tier_tokens: list[int] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)  # the directory's (kvtier.metrics snapshot)
 
     @property
     def hit_rate(self) -> float:
@@ -105,15 +107,15 @@ class ReplayStats:
 
 def replay(workload: Workload, stack: DirectoryStack, name: str = "",
            progress: Callable[[int], Any] | None = None) -> ReplayStats:
-    """Replay ``workload`` through ``stack``; ``progress(n)`` is called every 1,000 requests."""
+    """Replay ``workload`` through ``stack``; ``progress(n)`` is called every 1,000 requests. Chunks asked and hit
+    are the directory's own counts (one lookup per request): the replay counts tokens and requests."""
     stats = ReplayStats(name, list(stack.capacities), tier_tokens=[0] * len(stack.capacities))
     ct = workload.chunk_tokens
+    before = stack.directory.stats.lookups, stack.directory.stats.hits
     for i, req in enumerate(workload.requests, 1):
         tiers = stack.hit_tiers(req.chunks)
         stats.requests += 1
         stats.total_tokens += req.input_len
-        stats.total_chunks += len(req.chunks)
-        stats.hit_chunks += len(tiers)
         if tiers:
             stats.hit_requests += 1
             for j, tier in enumerate(tiers):
@@ -124,6 +126,9 @@ def replay(workload: Workload, stack: DirectoryStack, name: str = "",
         stack.access(req.chunks)
         if progress is not None and i % 1000 == 0:
             progress(1000)
+    after = stack.directory.stats
+    stats.total_chunks, stats.hit_chunks = after.lookups - before[0], after.hits - before[1]
+    stats.counters = snapshot(directory=after)
     return stats
 
 
@@ -221,6 +226,7 @@ def sweep(workload: Workload, spec: SweepSpec, progress: bool = False) -> dict[s
                 "request_hit_rate": stats.request_hit_rate, "chunk_hit_rate": stats.chunk_hit_rate,
                 "belady_hit_rate": belady.get(total),
                 "tiers": stats.tier_rates([f"tier{i}" for i in range(len(caps))]),
+                "counters": stats.counters,
             })
     ideal = ideal_stats(workload)
     return {"workload": workload.name, "chunk_tokens": workload.chunk_tokens, "requests": len(workload.requests),

@@ -116,7 +116,10 @@ def worker(spec_path: str, out_path: str) -> None:
 
     for length in prompts.values():  # populate: the prefix's chunks are saved (kvtier) or cached (vLLM)
         generate([length["prefix"] + length["suffixes"][0]], first)
-    time.sleep(0.5)  # saves finish in the background
+    from kvtier.bench.vllm_proc import flush_kvtier
+
+    flush_kvtier()  # saves are written in the background: wait for them where kvtier's worker is in this process
+    time.sleep(0.5)  # and let the engine tell its scheduler they are done
     ttft: dict[str, list[float]] = {n: [] for n in prompts}
     cached: dict[str, list[int]] = {n: [] for n in prompts}
     tokens: dict[str, list[int]] = {n: [] for n in prompts}

@@ -95,14 +95,20 @@ def _worker_connector() -> Any:
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
-def _flush() -> dict[str, Any]:
-    """Wait for kvtier's pending saves; its worker counters since start."""
-    worker = _worker_connector()
-    impl = getattr(worker, "_impl", None)
-    if impl is None:
+def _kvtier(connector: Any) -> Any:
+    """``connector`` when it is kvtier's (vLLM's KVTierConnector is a TieredConnector), else None."""
+    from kvtier.connector.tiered import TieredConnector
+
+    return connector if isinstance(connector, TieredConnector) else None
+
+
+def flush_kvtier() -> dict[str, Any]:
+    """Wait for kvtier's pending saves; its worker counters since start (the kvtier.metrics snapshot)."""
+    worker = _kvtier(_worker_connector())
+    if worker is None:
         return {}
-    impl.flush_saves()
-    counters: dict[str, Any] = impl._work().totals()
+    worker.flush_saves()
+    counters: dict[str, Any] = worker._work().totals()
     return counters
 
 
@@ -117,19 +123,19 @@ def _scheduler(llm: Any) -> Any:
 
 def _switch(llm: Any, on: bool) -> bool:
     """Let kvtier's scheduler half plan lookups and saves (``on``) or nothing; False without kvtier."""
-    impl = getattr(getattr(_scheduler(llm), "connector", None), "_impl", None)
-    if impl is None:
+    sched = _kvtier(getattr(_scheduler(llm), "connector", None))
+    if sched is None:
         return False
-    impl._sched().paused = not on
+    sched._sched().paused = not on
     return True
 
 
 def _check_kvtier(llm: Any) -> None:
     """With kvtier configured, both of its halves must be reachable from here, or the benchmark's switches,
     flushes and counts would silently do nothing."""
-    if getattr(getattr(_scheduler(llm), "connector", None), "_impl", None) is None:
+    if _kvtier(getattr(_scheduler(llm), "connector", None)) is None:
         raise RuntimeError("kvtier's scheduler half is not in this process")
-    if getattr(_worker_connector(), "_impl", None) is None:
+    if _kvtier(_worker_connector()) is None:
         raise RuntimeError("kvtier's worker half is not in this process (tensor parallelism or a separate "
                            "engine core process?)")
 
@@ -183,7 +189,7 @@ def serve(spec_path: str) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("flush"):
-            print(json.dumps({"counters": _flush()}), flush=True)
+            print(json.dumps({"counters": flush_kvtier()}), flush=True)
             continue
         if "kvtier" in request:
             print(json.dumps({"kvtier": _switch(llm, bool(request["kvtier"]))}), flush=True)

@@ -1,6 +1,6 @@
 """The worker's queue of saves: admission against a byte backlog, then one job per step on the I/O loop.
 
-Lifecycle, per engine step (``WorkerHalf.wait_for_save``):
+Lifecycle, per engine step (``SavePath.save``, kvtier.connector.saves):
     admit(saves)    splits the step's saves into kept and skipped: while saves are queued, one that would take
                     the backlog of unwritten bytes past ``max_backlog`` is skipped (``save_skipped_busy``), and so
                     are the request's later ones, so that a medium slower than the engine never builds an
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.config import PolicyConfig
-from kvtier.connector.counters import WorkerCounters
 from kvtier.connector.plans import SaveSpec
 from kvtier.directory import StorePlan
 from kvtier.keys import Key
+from kvtier.metrics import WorkerCounters
 from kvtier.runtime import LoopThread
 
 if TYPE_CHECKING:
@@ -63,11 +63,11 @@ class SaveJob:
 class SaveQueue:
     """Saves handed to the I/O loop, in step order, within a byte backlog."""
 
-    def __init__(self, store: TieredStore, stats: WorkerCounters, report_failed: ReportFailed,
+    def __init__(self, store: TieredStore, counters: WorkerCounters, report_failed: ReportFailed,
                  max_backlog: int = MAX_BACKLOG) -> None:
         self.store = store
         self.max_backlog = max_backlog
-        self._stats = stats
+        self._counters = counters
         self._report_failed = report_failed
         self._backlog = 0  # bytes of jobs submitted and not yet done
         self._lock = threading.Lock()  # the backlog grows on the engine's thread and shrinks on the I/O loop
@@ -99,7 +99,7 @@ class SaveQueue:
                 room -= need
         if skipped:
             chunks = sum(len(spec.keys) for spec in skipped)
-            self._stats.add(save_skipped_busy=chunks)
+            self._counters.save_skipped(chunks)
             logger.debug("%d chunk(s) not saved: %d bytes of saves are still queued", chunks, queued)
         return kept, skipped
 
@@ -118,6 +118,9 @@ class SaveQueue:
         return future
 
     async def _run(self, jobs: Sequence[SaveJob], tally: list[int]) -> None:
+        # A step cancelled before the loop started it (a bounded wait gave up while the loop was busy) still gets
+        # one first slice: its cancellation is delivered right after that slice. Yield it before touching a tier.
+        await asyncio.sleep(0)
         async with self._order:
             for job in jobs:
                 await self._execute(job)
@@ -139,12 +142,12 @@ class SaveQueue:
                                             SAVE_TIMEOUT_S)
         except TimeoutError:  # a stuck medium: what was not stored by then is reported, and the job ends
             logger.warning("a save of %s did not finish within %.0fs: dropped", spec.req_id, SAVE_TIMEOUT_S)
-            self._stats.add(save_timeouts=1)
+            self._counters.save_timed_out()
             self._report_failed(spec, plans, failed)
             return
         except Exception as exc:  # a failed save is a future miss, never an engine failure
             logger.warning("save failed: %r", exc)
-            self._stats.add(save_failures=len(spec.keys))
+            self._counters.save_failed(len(spec.keys))
             self._report_failed(spec, None, ())
             return
         if items is None:
@@ -152,5 +155,4 @@ class SaveQueue:
             return
         if failed:
             self._report_failed(spec, plans, failed)
-        self._stats.add(save_chunks=sum(stored.values()), save_bytes=job.nbytes,
-                        save_seconds=time.perf_counter() - t0)
+        self._counters.saved(sum(stored.values()), job.nbytes, time.perf_counter() - t0)

@@ -62,6 +62,15 @@ class CachedRequestData:
 
 
 @dataclass
+class KVConnectorBlockState:
+    """vLLM >= 0.32's scheduler-local block state offered to a connector (never shipped to workers): the exact
+    blocks holding the recurrent states (Mamba "align" mode) this step's forward writes, per request, as
+    ``(group id, block id, boundary tokens)``. The blocks stay valid until the step's ``wait_for_save``."""
+
+    boundary_state_offloads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
@@ -69,6 +78,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] | None = None
     kv_connector_metadata: Any = None
+    kv_connector_block_state: KVConnectorBlockState | None = None
 
 
 @dataclass

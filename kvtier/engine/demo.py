@@ -24,6 +24,7 @@ from kvtier.engine.model import ModelConfig
 from kvtier.engine.scheduler import EngineRequest
 from kvtier.engine.workload import ChatSpec, chat_conversations, run_chat
 from kvtier.errors import KvtierError
+from kvtier.metrics import hits_key
 from kvtier.progress import progress_bar
 
 
@@ -139,7 +140,7 @@ def _quantiles(values: list[float]) -> tuple[float, float]:
 def _report(base: PhaseResult, cached: PhaseResult, cfg: KvtierConfig, same: bool) -> None:
     prompt = sum(r.num_prompt_tokens for r in cached.requests)
     saved = sum(r.external_tokens for r in cached.requests)
-    hits = {t.name: float(cached.stats.get(f"hits_{t.name}", 0)) for t in cfg.tiers}
+    hits = {t.name: float(cached.stats.get(hits_key(t.name), 0)) for t in cfg.tiers}
     total_hits = sum(hits.values()) or 1.0
     print(f"\nprefill tokens saved: {saved} of {prompt} prompt tokens ({100 * saved / max(prompt, 1):.1f}%)")
     print("hit rate by tier (share of prompt tokens loaded from it):")

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, TierConfig
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Tier, TierEntry, TierStats
+from kvtier.tiers.base import Tier, TierEntry
 
 TIERS: dict[str, str] = {
     "gpu": "kvtier.tiers.memory.gpu:GpuTier",
@@ -23,8 +23,7 @@ TIERS: dict[str, str] = {
 }
 EXTRAS: dict[str, tuple[str, str]] = {"redis": ("redis", "redis")}  # kind -> (module it needs, extra with it)
 
-__all__ = ["EXTRAS", "TIERS", "Tier", "TierEntry", "TierStats", "check_extras", "make_tier", "require_extra",
-           "tier_class"]
+__all__ = ["EXTRAS", "TIERS", "Tier", "TierEntry", "check_extras", "make_tier", "require_extra", "tier_class"]
 
 
 def require_extra(kind: str, path: str) -> None:

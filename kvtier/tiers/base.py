@@ -9,6 +9,8 @@ tensor of the same dtype, shape and contents). Rules every tier follows:
 * Batched calls return one result per key, in order.
 * A miss, an unreachable medium, a timeout or a corrupt record is ``None`` from ``get`` / ``False`` from
   ``contains``, never an exception; a corrupt record is also deleted and counted in ``stats().corrupt``.
+* A tier counts its own operations in its ``stats()`` (``kvtier.metrics.TierStats``, or the subclass of its
+  kind); evictions the directory chose are deletes there, never tier evictions.
 * ``put`` never exceeds ``capacity_bytes``: an item that does not fit is refused (``False``), not stored.
   Shared tiers are the exception: Redis memory belongs to the server (``maxmemory`` + ``allkeys-lru``), so
   the Redis tier only reports the bytes it wrote and refuses just a record larger than its whole capacity.
@@ -21,43 +23,16 @@ tensor of the same dtype, shape and contents). Rules every tier follows:
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvtier.keys import Key
+from kvtier.metrics import TierStats
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class TierStats:
-    """Counters of one tier. Plain ints and floats so they pickle and aggregate."""
-
-    lookups: int = 0
-    hits: int = 0
-    gets: int = 0
-    get_hits: int = 0
-    puts: int = 0
-    puts_refused: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    deletes: int = 0
-    evictions: int = 0
-    corrupt: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    get_seconds: float = 0.0
-    put_seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, float]:
-        out: dict[str, float] = {k: v for k, v in vars(self).items() if k != "extra"}
-        out.update(self.extra)
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,18 +121,3 @@ def copy_bytes(value: torch.Tensor | None, out: torch.Tensor) -> bool:
         raise ValueError(f"out has {dst.numel()} bytes, the record {src.numel()}")
     dst.copy_(src)
     return True
-
-
-class Timer:
-    """Adds elapsed wall time to a stats field: ``with Timer(stats, "get_seconds"): ...``."""
-
-    def __init__(self, stats: TierStats, attr: str) -> None:
-        self._stats, self._attr = stats, attr
-        self._t0 = 0.0
-
-    def __enter__(self) -> Timer:
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(self._stats, self._attr, getattr(self._stats, self._attr) + time.perf_counter() - self._t0)

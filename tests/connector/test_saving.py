@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_worker_half import A_IDS, B_IDS, KCC, TOKENS, C, Engine, make_cfg, paged
+from worker_kit import A_IDS, B_IDS, KCC, TOKENS, C, Engine, make_cfg, paged
 
 from kvtier.assembly import Role
 from kvtier.config import DiskTierConfig, PolicyConfig, WritePolicy

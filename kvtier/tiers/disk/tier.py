@@ -35,8 +35,9 @@ from kvtier.codec import HEADER_SIZE, MAC_BYTES
 from kvtier.config import DiskTierConfig, TierConfig
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.keys import Key
+from kvtier.metrics import DiskStats, Timer
 from kvtier.runtime import background_thread
-from kvtier.tiers.base import Tier, TierEntry, Timer
+from kvtier.tiers.base import Tier, TierEntry
 from kvtier.tiers.disk.index import DIR_MODE, Layout, scan
 from kvtier.tiers.disk.io import (
     NOWAIT_FLAGS,
@@ -55,8 +56,11 @@ log = logging.getLogger(__name__)
 class DiskTier(Tier):
     """Records as files under ``section.path`` within a quota of ``section.capacity`` bytes."""
 
+    _stats: DiskStats
+
     def __init__(self, section: TierConfig, *, hmac_key: bytes | None = None) -> None:
         super().__init__(section.name, section.capacity)
+        self._stats = DiskStats()
         if not isinstance(section, DiskTierConfig) or not section.path:
             raise ConfigError(f"tiers.{section.name}.path", "a disk tier needs a directory path")
         self.section = section
@@ -79,7 +83,7 @@ class DiskTier(Tier):
         self._index = dict(result.entries)
         self._used = sum(self._index.values())
         self._stats.corrupt += result.corrupt
-        self._stats.extra["temp_removed"] = self._stats.extra.get("temp_removed", 0) + result.temp_removed
+        self._stats.temp_removed += result.temp_removed
         if self._used > self.capacity_bytes:
             await self._trim_to_quota()
         log.info("disk tier %s: %d records, %d bytes in %s (%d invalid removed)", self.name, len(self._index),
@@ -119,6 +123,9 @@ class DiskTier(Tier):
     def used_bytes(self) -> int:
         return self._used
 
+    def stats(self) -> DiskStats:
+        return self._stats
+
     def stored_size(self, nbytes: int) -> int:
         """File size of an uncompressed record (an upper bound when compressing)."""
         return HEADER_SIZE + (MAC_BYTES if self.hmac_key else 0) + nbytes
@@ -137,7 +144,7 @@ class DiskTier(Tier):
             if self._nowait and keys and sum(sizes) < SMALL_RECORD * len(keys):
                 todo = await self._read_cached(keys, sizes, results)
             if todo:
-                self._stats.extra["reads_waited"] = self._stats.extra.get("reads_waited", 0) + len(todo)
+                self._stats.reads_waited += len(todo)
                 runs = self._read_runs([sizes[i] for i in todo])
                 done: list[list[ReadResult]] = [[] for _ in runs]
                 await asyncio.gather(*(self._read([keys[todo[j]] for j in run], [sizes[todo[j]] for j in run], False,
@@ -174,7 +181,7 @@ class DiskTier(Tier):
             else:
                 results[i] = result
         read = sum(1 for result in results if result is not None and not isinstance(result, BaseException))
-        self._stats.extra["reads_cached"] = self._stats.extra.get("reads_cached", 0) + read
+        self._stats.reads_cached += read
         return todo
 
     async def _read(self, keys: Sequence[Key], sizes: Sequence[int], nowait: bool, into: list[ReadResult]) -> None:

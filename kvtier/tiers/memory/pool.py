@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from kvtier.keys import Key
-from kvtier.tiers.base import Tier, Timer
+from kvtier.metrics import Timer
+from kvtier.tiers.base import Tier
 from kvtier.tiers.memory.slots import SlotPool
 
 log = logging.getLogger(__name__)

@@ -14,13 +14,13 @@ sockets per server (per cluster node). With ``rediss://`` everything goes throug
 same layout.
 
 Failures never reach the caller: a timeout, a connection error or a server error is a miss (``False`` /
-``None``), counted in ``stats()`` (``errors``, ``timeouts``, ``extra``: breaker state / opens / rejected calls,
-server error replies). ``timeout`` bounds a whole EXISTS / DEL round and, for record transfers (which may move
-gigabytes), every wait for the server without progress. A circuit breaker stops calling a server after
-``breaker_failures`` consecutive failures: calls then miss at once, and one probe goes through after
-``breaker_backoff`` seconds (doubling up to 30 s while the probes fail). Connections are re-opened as needed.
-Corrupt or foreign values (another key, another namespace, a bad checksum or signature) are misses, deleted and
-counted in ``stats().corrupt``.
+``None``), counted in ``stats()`` (``errors``, ``timeouts``; ``kvtier.metrics.RedisStats``: breaker state /
+opens / rejected calls, server error replies, slot-map reloads). ``timeout`` bounds a whole EXISTS / DEL round
+and, for record transfers (which may move gigabytes), every wait for the server without progress. A circuit
+breaker stops calling a server after ``breaker_failures`` consecutive failures: calls then miss at once, and one
+probe goes through after ``breaker_backoff`` seconds (doubling up to 30 s while the probes fail). Connections are
+re-opened as needed. Corrupt or foreign values (another key, another namespace, a bad checksum or signature) are
+misses, deleted and counted in ``stats().corrupt``.
 
 Capacity: kvtier does not own Redis memory. ``used_bytes`` is what this process wrote and did not delete
 (TTL expiry and other writers are invisible to it), a report only: puts are not refused because of it, and
@@ -48,7 +48,8 @@ from kvtier.config import RedisTierConfig
 from kvtier.errors import TierUnavailable
 from kvtier.keys import Key
 from kvtier.layout import dtype_name
-from kvtier.tiers.base import Tier, TierStats, Timer
+from kvtier.metrics import RedisStats, Timer
+from kvtier.tiers.base import Tier
 from kvtier.tiers.memory.recycle import Recycler
 from kvtier.tiers.redis import plain as redis_plain
 from kvtier.tiers.redis.breaker import CircuitBreaker
@@ -65,11 +66,13 @@ class RedisTier(Tier):
     """Redis standalone or Redis Cluster. See the module docstring."""
 
     is_shared = True
+    _stats: RedisStats
 
     def __init__(self, section: RedisTierConfig, hmac_key: bytes | None = None, *,
                  env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic,
                  buffer_pool_bytes: int = 512 << 20) -> None:
         super().__init__(section.name, section.capacity)
+        self._stats = RedisStats()
         self.section = section
         self.endpoint: RedisEndpoint = parse_endpoint(section, os.environ if env is None else env)
         self._hmac_key = hmac_key
@@ -205,17 +208,14 @@ class RedisTier(Tier):
     def stored_size(self, nbytes: int) -> int:
         return codec.HEADER_SIZE + (codec.MAC_BYTES if self._hmac_key else 0) + nbytes
 
-    def stats(self) -> TierStats:
+    def stats(self) -> RedisStats:
+        """The tier's counters, with its breaker's state, openings and refused calls as of now."""
         b = self.breaker
-        self._stats.extra.update(breaker_state=float(b.state), breaker_opens=float(b.opens),
-                                 breaker_rejected=float(b.rejected))
+        self._stats.breaker_state, self._stats.breaker_opens, self._stats.breaker_rejected = \
+            int(b.state), b.opens, b.rejected
         return self._stats
 
     # -- helpers -----------------------------------------------------------------------------------------------
-
-    def _count(self, name: str, n: int = 1) -> None:
-        if n:
-            self._stats.extra[name] = self._stats.extra.get(name, 0.0) + n
 
     async def _guarded(self, op: Callable[[], Awaitable[T]], fallback: T) -> T:
         """Run ``op`` through the breaker; any failure is counted and becomes ``fallback``."""
@@ -347,10 +347,10 @@ class RedisTier(Tier):
         """Count error replies; a MOVED / ASK means the cluster's slots moved: reload the slot map."""
         if not errors:
             return
-        self._count("server_errors", len(errors))
+        self._stats.server_errors += len(errors)
         log.debug("redis tier %r: %d error replies, first: %s", self.name, len(errors), errors[0])
         if self.endpoint.cluster and any(e.startswith(("MOVED", "ASK")) for e in errors):
-            self._count("slot_refreshes")
+            self._stats.slot_refreshes += 1
             try:
                 async with asyncio.timeout(self.section.connect_timeout):
                     await self._client.nodes_manager.initialize()

@@ -1,0 +1,122 @@
+"""The engine's KV tensors as the worker half moves them: per KV-cache group its registered layers (viewed the way
+kvtier reads them, kvtier.connector.registration), their layout and kernel blocks per scheduler block, and this
+tensor-parallel rank's key namespaces. The load path (kvtier.connector.loads) scatters into them, the save path
+(kvtier.connector.saves) gathers from them.
+
+Lifecycle: ``EngineKV(kcc, ...)`` -> ``register(kv_caches)`` (raises ``ConnectorError`` / ``ValueError`` for
+tensors kvtier cannot read) -> ``kernel`` / ``key`` / ``plan`` / ``scatter`` / ``gather`` per step; ``clear()``
+when kvtier is disabled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.connector.keying import Identity, namespaces, rank_key
+from kvtier.connector.registration import derive_config, group_tensors
+from kvtier.directory import StorePlan
+from kvtier.geometry import KVLayout, kernel_ids
+from kvtier.keys import Key
+from kvtier.layout import KVCacheConfig
+from kvtier.tiers.memory.recycle import Recycler, size_class
+from kvtier.transfer import gather, gathered_shape, scatter
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class EngineKV:
+    """The registered KV tensors of every group, and the keys this rank stores their chunks under."""
+
+    def __init__(self, kcc: KVCacheConfig | None, *, identity: Identity | None = None, chunk_size: int = 256,
+                 layout: KVLayout | None = None) -> None:
+        self.kcc = kcc
+        self.identity = identity
+        self.chunk_size = chunk_size
+        self._layout_hint = layout
+        self._rank_spaces: list[bytes] | None = None
+        self.layers: list[list[torch.Tensor]] = []
+        self.layouts: list[KVLayout] = []
+        self._ratios: list[int] = []  # kernel blocks per scheduler block, per group
+        self._chunk_nbytes: dict[int, int] = {}  # payload bytes of one chunk, per group (computed on first use)
+
+    @property
+    def rank(self) -> str:
+        """This worker's tensor-parallel rank, as the worker report names it."""
+        return str(self.identity.tp_rank if self.identity is not None else 0)
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Map every registered layer to its group (groups keep their layers in config order)."""
+        if self.kcc is None:
+            logger.warning("no kv_cache_config given: treating all %d layers as one full-attention group",
+                           len(kv_caches))
+            self.kcc = derive_config(kv_caches)
+        groups = [group_tensors(gid, group, kv_caches, self.kcc.kv_layout, self._layout_hint, self.kcc.num_blocks)
+                  for gid, group in enumerate(self.kcc.kv_cache_groups)]
+        self.layers = [g.layers for g in groups]
+        self.layouts = [g.layout for g in groups]
+        self._ratios = [g.ratio for g in groups]
+        if self.identity is not None and self.identity.tp_rank != 0:
+            self._rank_spaces = namespaces(self.identity, self.kcc, self.chunk_size)
+
+    def clear(self) -> None:
+        """Hold no tensors any more (kvtier is disabled for this engine)."""
+        self.layers, self.layouts, self._ratios = [], [], []
+
+    def kernel(self, group: int, block_ids: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The scheduler's block ids of each chunk as ids of the group's tensors (kernel blocks)."""
+        ratio = self._ratios[group]
+        return [kernel_ids(ids, ratio) for ids in block_ids]
+
+    def key(self, group: int, key: Key) -> Key:
+        """The key this rank stores a chunk under (rank 0's key: the scheduler's)."""
+        if self._rank_spaces is None:
+            return key
+        return rank_key(key, self._rank_spaces[group])
+
+    def plan(self, group: int, plan: StorePlan) -> StorePlan:
+        """A store plan under this rank's keys."""
+        if self._rank_spaces is None:
+            return plan
+        return StorePlan(plan.tier, tuple(self.key(group, k) for k in plan.store),
+                         tuple(self.key(group, k) for k in plan.evicted), plan.source)
+
+    def chunk_bytes(self, group: int) -> int:
+        """Payload bytes of one chunk of ``group`` (0 for a group this worker holds no tensors of)."""
+        known = self._chunk_nbytes.get(group)
+        if known is not None:
+            return known
+        if self.kcc is None or group >= len(self.layers) or not self.layers[group]:
+            return 0
+        layers = self.layers[group]
+        per_chunk = self.chunk_size // self.kcc.kv_cache_groups[group].kv_cache_spec.block_size
+        shape = gathered_shape(layers, self.kernel(group, [tuple(range(1, per_chunk + 1))]), self.layouts[group])
+        self._chunk_nbytes[group] = math.prod(shape) * layers[0].element_size()
+        return self._chunk_nbytes[group]
+
+    def scatter(self, group: int, blocks: Sequence[Sequence[int]], payloads: Sequence[torch.Tensor]) -> None:
+        """Copy one payload per chunk into the chunk's blocks of every layer of ``group``."""
+        scatter(self.layers[group], self.kernel(group, blocks), self.layouts[group], payloads)
+
+    def gather(self, group: int, blocks: Sequence[Sequence[int]], buffers: Recycler) -> torch.Tensor:
+        """The chunks' blocks of ``group``, one payload per chunk, copied into a recycled host buffer."""
+        layers = self.layers[group]
+        ids = self.kernel(group, blocks)
+        shape = gathered_shape(layers, ids, self.layouts[group])
+        nbytes = math.prod(shape) * layers[0].element_size()
+        buffer = buffers.take(size_class(nbytes))[:nbytes]
+        return gather(layers, ids, self.layouts[group], out=buffer.view(layers[0].dtype).view(shape))
+
+    def sync_devices(self) -> None:
+        """Wait for the copies queued on the layers' CUDA devices (they may still read borrowed host views)."""
+        devices = {t.device for layers in self.layers for t in layers if t.is_cuda}
+        if devices:
+            import torch
+
+            for device in devices:
+                torch.cuda.current_stream(device).synchronize()

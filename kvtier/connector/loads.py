@@ -1,0 +1,217 @@
+"""The worker half's load path: read the chunks the scheduler planned to load and scatter them into the engine's
+blocks. Decides nothing.
+
+Lifecycle, per engine step (``WorkerHalf.start_load_kv`` / ``get_finished``):
+    start(loads)      synchronous loads run now, one copy per byte: memory tiers lend pinned views, scattered
+                      straight into the blocks and released once the device consumed them; asynchronous loads
+                      start their reads on the I/O loop
+    fail(loads)       (kvtier disabled) every planned load fails: the engine recomputes those blocks
+    finished()        scatters the asynchronous loads whose reads are done; their requests
+    take_errors()     blocks whose chunk could not be read or copied (miss, corrupt, dead tier, bad record)
+    close()           abandons pending asynchronous loads
+
+Every wait is bounded (``wait_timeout_s``; an asynchronous load ``async_load_timeout_s``): a stuck medium fails the
+load (its blocks become load errors) and is logged, never hangs the engine. A chunk counts as loaded
+(``kvtier.metrics.WorkerCounters.loaded``) only once its copy into the engine's blocks completed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvtier.connector.engine_kv import EngineKV
+from kvtier.connector.plans import LoadSpec
+from kvtier.geometry import NULL_BLOCK
+from kvtier.keys import Key
+from kvtier.metrics import WorkerCounters
+from kvtier.runtime import LoopThread
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.store import TieredStore
+
+logger = logging.getLogger(__name__)
+
+Reads = list["torch.Tensor | None"]
+T = TypeVar("T")
+
+WAIT_TIMEOUT_S = 5.0  # longest blocking wait of the engine's thread on the I/O loop (loads, releases, saves)
+ASYNC_LOAD_TIMEOUT_S = 30.0  # an asynchronous load that takes longer fails (its blocks become load errors)
+CANCEL_GRACE_S = 1.0  # extra wait for a timed-out coroutine to unwind (release what it borrowed)
+
+
+def done(value: T) -> concurrent.futures.Future[T]:
+    """A future already holding ``value``."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+class GroupLoad:
+    """The chunks of one group read for one scatter: their blocks, payloads and tiers."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[int, ...]] = []
+        self.payloads: list[torch.Tensor] = []
+        self.per_tier: dict[str, int] = {}
+        self.nbytes = 0
+
+    def add(self, tier: str, ids: tuple[int, ...], payload: torch.Tensor) -> None:
+        self.blocks.append(ids)
+        self.payloads.append(payload)
+        self.per_tier[tier] = self.per_tier.get(tier, 0) + 1
+        self.nbytes += payload.numel() * payload.element_size()
+
+
+class LoadPath:
+    """Loads of planned chunks into the engine's blocks, synchronous or on the I/O loop."""
+
+    def __init__(self, kv: EngineKV, store: TieredStore, loop: LoopThread, counters: WorkerCounters) -> None:
+        self._kv = kv
+        self.store = store
+        self._loop = loop
+        self._counters = counters
+        self.recving: dict[str, tuple[list[LoadSpec], concurrent.futures.Future[list[Reads]]]] = {}
+        self._errors: set[int] = set()
+        self.wait_timeout_s = WAIT_TIMEOUT_S
+        self.async_load_timeout_s = ASYNC_LOAD_TIMEOUT_S
+
+    def start(self, loads: Sequence[LoadSpec]) -> None:
+        """Run the synchronous loads now; start the asynchronous ones on the I/O loop."""
+        sync = [s for s in loads if not s.is_async]
+        if sync:
+            t0 = time.perf_counter()
+            self._load_now(sync)
+            self._counters.load_timed(time.perf_counter() - t0)
+        by_req: dict[str, list[LoadSpec]] = {}
+        for spec in loads:
+            if spec.is_async:
+                by_req.setdefault(spec.req_id, []).append(spec)
+        for req_id, specs in by_req.items():
+            read = asyncio.wait_for(self._read_all(specs), self.async_load_timeout_s)
+            self.recving[req_id] = (specs, self._loop.submit(read))
+
+    def fail(self, loads: Sequence[LoadSpec]) -> None:
+        """Fail every load (kvtier is disabled): the blocks become load errors, asynchronous ones finish now."""
+        self.apply(loads, [[None] * len(s.keys) for s in loads])
+        for spec in loads:
+            if spec.is_async and spec.req_id not in self.recving:
+                self.recving[spec.req_id] = ([], done([]))
+
+    def _load_now(self, specs: Sequence[LoadSpec]) -> None:
+        """Synchronous loads, one copy per byte: memory tiers lend pinned views that are scattered straight into
+        the blocks, then released (after the device has consumed them)."""
+        borrowed: list[tuple[str, list[Key]]] = []
+        try:
+            results = self.run_bounded(self._borrow_all(specs, borrowed))
+        except Exception as exc:  # a dead or stuck tier fails the load, not the engine
+            logger.warning("synchronous load failed: %r", exc)
+            results = [[None] * len(s.keys) for s in specs]
+        try:
+            self.apply(specs, results)
+            self._kv.sync_devices()
+        finally:
+            if borrowed:
+                try:
+                    self.run_bounded(self._release_all(borrowed))
+                except Exception as exc:  # a release that fails must not replace the load's outcome
+                    logger.warning("releasing %d borrowed batch(es) failed: %r", len(borrowed), exc)
+
+    def run_bounded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the I/O loop for at most ``wait_timeout_s`` (it is cancelled then, and
+        ``TimeoutError`` raised)."""
+        future = self._loop.submit(asyncio.wait_for(coro, self.wait_timeout_s))
+        try:
+            return future.result(self.wait_timeout_s + CANCEL_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"I/O did not finish within {self.wait_timeout_s + CANCEL_GRACE_S:.1f}s") from None
+
+    async def _borrow_all(self, specs: Sequence[LoadSpec], borrowed: list[tuple[str, list[Key]]]) -> list[Reads]:
+        """Like ``_read_all``, but memory tiers lend views; ``borrowed`` lists what to release, even on error."""
+        out: list[Reads] = []
+        try:
+            for spec in specs:
+                keys = [self._kv.key(spec.group, k) for k in spec.keys]
+                if self.store.tier(spec.tier).is_memory:
+                    out.append(await self.store.borrow(spec.tier, keys))
+                    borrowed.append((spec.tier, keys))
+                else:
+                    out.append(await self.store.read(spec.tier, keys))
+        except BaseException:
+            await self._release_all(borrowed)
+            borrowed.clear()
+            raise
+        return out
+
+    async def _release_all(self, borrowed: Sequence[tuple[str, list[Key]]]) -> None:
+        for tier, keys in borrowed:
+            await self.store.release(tier, keys)
+
+    async def _read_all(self, specs: Sequence[LoadSpec]) -> list[Reads]:
+        reads = [self.store.read(s.tier, [self._kv.key(s.group, k) for k in s.keys]) for s in specs]
+        return list(await asyncio.gather(*reads))
+
+    def apply(self, specs: Sequence[LoadSpec], results: Sequence[Reads]) -> None:
+        """Scatter what was read, one batched scatter per group; blocks of failed chunks become errors.
+
+        A chunk counts as loaded only once its copy into the engine's blocks has completed; a chunk that was not
+        read, or whose group's scatter failed, counts as a load failure and its blocks are reported for
+        recompute."""
+        per_group: dict[int, GroupLoad] = {}
+        missing = 0
+        for spec, values in zip(specs, results, strict=True):
+            for ids, value in zip(spec.block_ids, values, strict=True):
+                if value is None:
+                    self._errors.update(b for b in ids if b != NULL_BLOCK)
+                    missing += 1
+                    continue
+                per_group.setdefault(spec.group, GroupLoad()).add(spec.tier, ids, value)
+        if missing:
+            self._counters.load_failed(missing)
+        for group, load in per_group.items():
+            try:
+                self._kv.scatter(group, load.blocks, load.payloads)
+            except (ValueError, RuntimeError, IndexError) as exc:  # wrong shape/dtype: a bad record
+                logger.warning("loading %d chunk(s) into group %d failed: %s", len(load.blocks), group, exc)
+                self._errors.update(b for ids in load.blocks for b in ids if b != NULL_BLOCK)
+                self._counters.load_failed(len(load.blocks), scatter=True)
+                continue
+            self._counters.loaded(group, load.per_tier, load.nbytes)
+
+    def finished(self) -> set[str]:
+        """Scatter the asynchronous loads whose reads are done (failed reads: load errors); their requests."""
+        recving: set[str] = set()
+        for req_id, (specs, future) in list(self.recving.items()):
+            if not future.done():
+                continue
+            del self.recving[req_id]
+            try:
+                results = future.result()
+            except Exception as exc:
+                logger.warning("asynchronous load of %s failed: %r", req_id, exc)
+                results = [[None] * len(s.keys) for s in specs]
+            self.apply(specs, results)
+            recving.add(req_id)
+        return recving
+
+    def pending(self) -> list[concurrent.futures.Future[list[Reads]]]:
+        """The futures of the asynchronous loads not reported yet."""
+        return [future for _, future in self.recving.values()]
+
+    def take_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        """Abandon pending asynchronous loads."""
+        for _, future in self.recving.values():
+            future.cancel()
+        self.recving.clear()

@@ -20,15 +20,15 @@ if TYPE_CHECKING:
 
 
 def check_fit(cfg: KvtierConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Check a config against an engine's KV-cache layout: chunk_size is a multiple of every attention group's
-    block size (Mamba groups store one state per chunk and are exempt), and each tier holds at least one chunk
-    record of every group placed on it. Raises :class:`ConfigError` naming the key path and the fix."""
+    """Check a config against an engine's KV-cache layout: chunk_size is a multiple of every group's block size
+    (a recurrent group's states lie every block_size tokens), and each tier holds at least one chunk record of
+    every group placed on it. Raises :class:`ConfigError` naming the key path and the fix."""
     groups = kv_cache_config.kv_cache_groups
-    attention = [max(1, g.kv_cache_spec.block_size) for g in groups if g.kind not in UNSERVED]
+    served = [max(1, g.kv_cache_spec.block_size) for g in groups if g.kind not in UNSERVED]
     for gid, group in enumerate(groups):
         block = group.kv_cache_spec.block_size
         if group.kind not in UNSERVED and (block <= 0 or cfg.chunk_size % block):
-            lcm = math.lcm(*attention)
+            lcm = math.lcm(*served)
             raise ConfigError("chunk_size", f"{cfg.chunk_size} is not a multiple of the block size {block} of "
                               f"KV-cache group {gid} ({group.kind.value})",
                               f"use a multiple of {lcm}, e.g. {lcm * max(1, round(cfg.chunk_size / lcm))}")

@@ -159,7 +159,7 @@ class OtherSpec(KVCacheSpec):
         return {"kind": str(self.kind), "block_size": self.block_size, "name": self.name}
 
 
-UNSERVED = (GroupKind.MAMBA, GroupKind.OTHER)  # group kinds kvtier never stores
+UNSERVED = (GroupKind.OTHER,)  # group kinds kvtier never stores (a cache it does not know)
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,13 @@ class KVCacheGroupSpec:
     def bytes_per_token(self) -> int:
         """Bytes of KV one token takes across all layers of the group (0 for Mamba)."""
         return self.kv_cache_spec.bytes_per_token_per_layer() * len(self.layer_names)
+
+    def blocks_per_chunk(self, chunk_tokens: int) -> int:
+        """Blocks one stored chunk reads: every block of its tokens, or the one block holding a recurrent group's
+        state at the chunk's end."""
+        if isinstance(self.kv_cache_spec, MambaSpec):
+            return 1
+        return chunk_tokens // self.kv_cache_spec.block_size
 
     def bytes_per_chunk(self, chunk_tokens: int) -> int:
         """Bytes of one stored chunk of this group: tokens x layers, or one state per layer for Mamba."""
@@ -214,7 +221,7 @@ def simple_config(num_layers: int, num_kv_heads: int, head_size: int, dtype: str
     return KVCacheConfig(tuple(groups), num_blocks)
 
 
-# vLLM's spec classes kvtier serves (by name prefix: vllm is not imported); MambaSpec is modelled but not served;
+# vLLM's spec classes kvtier serves (by name prefix: vllm is not imported), with MambaSpec (recurrent state);
 # any other (chunked-local, cross, encoder-only, sink, circular-buffer, ...) becomes an ``OtherSpec``
 SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "SlidingWindowMLASpec")
 

@@ -1,5 +1,5 @@
-"""The fit rule (kvtier.fit.check_fit): chunk_size is a multiple of every attention group's block size (Mamba
-groups exempt), and every tier holds one chunk record of each group placed on it; errors name the key path and
+"""The fit rule (kvtier.fit.check_fit): chunk_size is a multiple of every group's block size (attention and
+recurrent state), and every tier holds one chunk record of each group placed on it; errors name the key path and
 the fix."""
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ def test_check_fit_tier_smaller_than_a_chunk() -> None:
     assert info.value.path == "tiers[0].capacity"
 
 
-def test_a_mamba_group_with_an_odd_block_size_is_exempt() -> None:
-    """Mamba groups store one state per chunk: their block size (here 7) neither fails the check nor joins the
-    suggested multiple."""
+def test_a_recurrent_group_needs_chunks_on_its_state_boundaries() -> None:
+    """A recurrent (Mamba) group holds a state every block_size tokens (vLLM's align mode): a chunk boundary must be
+    one of them, so its block size counts like an attention group's (vLLM aligns the two, e.g. 160 and 160)."""
     kcc = KVCacheConfig((KVCacheGroupSpec(("a",), FullAttentionSpec(16, 1, 8, "float32")),
-                         KVCacheGroupSpec(("m",), MambaSpec(7, ((4,),), ("float32",)))))
-    check_fit(config(chunk_size=64), kcc)
+                         KVCacheGroupSpec(("m",), MambaSpec(48, ((4,),), ("float32",)))))
+    check_fit(config(chunk_size=96), kcc)
     with pytest.raises(ConfigError) as info:
-        check_fit(config(chunk_size=40), kcc)
-    assert info.value.path == "chunk_size" and "block size 16 of KV-cache group 0" in str(info.value)
-    assert info.value.hint == "use a multiple of 16, e.g. 32"
+        check_fit(config(chunk_size=64), kcc)
+    assert info.value.path == "chunk_size" and "block size 48 of KV-cache group 1 (mamba)" in str(info.value)
+    assert info.value.hint == "use a multiple of 48, e.g. 48"
 
 
 def test_a_hybrid_of_block_sizes_16_and_48_suggests_their_lcm() -> None:

@@ -94,7 +94,7 @@ class EngineKV:
         if self.kcc is None or group >= len(self.layers) or not self.layers[group]:
             return 0
         layers = self.layers[group]
-        per_chunk = self.chunk_size // self.kcc.kv_cache_groups[group].kv_cache_spec.block_size
+        per_chunk = self.kcc.kv_cache_groups[group].blocks_per_chunk(self.chunk_size)
         shape = gathered_shape(layers, self.kernel(group, [tuple(range(1, per_chunk + 1))]), self.layouts[group])
         self._chunk_nbytes[group] = math.prod(shape) * layers[0].element_size()
         return self._chunk_nbytes[group]

@@ -6,8 +6,9 @@ the tiers for that:
 * full attention, MLA: every chunk ``0 .. n-1``;
 * sliding window (``w`` tokens): only the chunks covering the ``w - 1`` tokens before the hit point, since the
   first computed token attends to nothing older; earlier chunks may be missing;
-* Mamba: its recurrent state at the hit point. kvtier does not store Mamba state yet, so a Mamba group
-  restores nothing (``n == 0``): never a wrong hit.
+* Mamba / linear attention: its recurrent state at the hit point, stored with chunk ``n - 1`` (a state is valid
+  only at its exact boundary: a shorter hit cannot be cut out of a longer one). A state without its attention
+  prefix is useless, and the reverse: the hit is the longest boundary where every group has what it needs.
 
 The request's hit is the largest ``n`` every group accepts, at most ``limit`` (which keeps at least one token
 to compute).
@@ -35,6 +36,8 @@ class GroupNeed:
         if self.kind is GroupKind.SLIDING_WINDOW:
             first_token = max(0, n * chunk_size - (self.sliding_window - 1))
             return range(first_token // chunk_size, n)
+        if self.kind is GroupKind.MAMBA:
+            return range(n - 1, n)
         return range(n)
 
     def accepts(self, n: int, present: Sequence[bool], chunk_size: int) -> bool:
@@ -61,7 +64,7 @@ def best_hit(needs: Sequence[GroupNeed], present: Sequence[Sequence[bool]], chun
     for need, pres in zip(needs, present, strict=True):
         if need.kind in UNSERVED:
             return 0
-        if need.kind is GroupKind.SLIDING_WINDOW:
+        if need.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA):
             windowed.append((need, pres))
         else:
             upper = min(upper, _prefix(pres))

@@ -20,6 +20,7 @@ from kvtier.layout import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
     OtherSpec,
     dtype_name,
@@ -87,6 +88,24 @@ def check_packing(name: str, view: torch.Tensor, spec: object) -> None:
                              "this group cannot be cached")
 
 
+def state_view(name: str, tensor: torch.Tensor, spec: MambaSpec) -> torch.Tensor:
+    """A recurrent layer's registered tensor (dim 0: blocks; vLLM's CPU build: int8 ``[blocks, 1, 1, bytes]``
+    with pages padded to the attention page) as ``[blocks, state_bytes]`` bytes: one page per block holding the
+    layer's states (conv, SSM, ...) as the engine lays them out; padding is never read."""
+    import torch
+
+    need = spec.state_bytes_per_layer()
+    try:  # a view, never a copy: loads write through it into the engine's blocks
+        rows = tensor.view(int(tensor.shape[0]), -1).view(torch.uint8)
+    except RuntimeError as exc:
+        raise ConnectorError(f"layer {name}: kvtier cannot view its recurrent-state tensor {tuple(tensor.shape)} "
+                             f"as bytes per block ({exc}); this group cannot be cached") from exc
+    if rows.shape[1] < need:
+        raise ConnectorError(f"layer {name}: its recurrent-state tensor holds {rows.shape[1]} bytes per block, its "
+                             f"spec says {need}; this group cannot be cached")
+    return rows[:, :need]
+
+
 def group_tensors(gid: int, group: KVCacheGroupSpec, kv_caches: Mapping[str, torch.Tensor],
                   kv_layout: str | None, layout_hint: KVLayout | None = None, num_blocks: int = 0) -> GroupTensors:
     """Group ``gid``'s registered tensors, checked and viewed the way kvtier moves them."""
@@ -99,6 +118,9 @@ def group_tensors(gid: int, group: KVCacheGroupSpec, kv_caches: Mapping[str, tor
         # vLLM gives the scheduler the first layer's spec for such a group: it would plan work here
         raise ConnectorError(f"KV-cache group {gid} holds layers with different specs ({spec.name}); kvtier "
                              "stores a group's layers in one record and cannot cache it")
+    if isinstance(spec, MambaSpec):
+        return GroupTensors([state_view(n, t, spec) for n, t in zip(group.layer_names, layers, strict=False)],
+                            KVLayout.PAGES)
     if group.kind in UNSERVED:  # never loaded or saved (the scheduler plans no work for such groups)
         logger.warning("KV-cache group %d (%s) is not cached by kvtier; requests of this model will not hit",
                        gid, group.kind)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import KvtierConfig, TierKind
@@ -27,7 +26,9 @@ from kvtier.connector.inflight import InflightSaves
 from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec, block_at, chunk_blocks
 from kvtier.connector.report import WorkerReport, report_of
+from kvtier.connector.request_state import Hit, ReqState, tokens_of
 from kvtier.connector.reuse import SeenCounter
+from kvtier.connector.states import boundary_offers, state_chunks
 from kvtier.directory import Directory, StorePlan
 from kvtier.errors import ConfigError
 from kvtier.fit import check_fit
@@ -42,32 +43,6 @@ logger = logging.getLogger(__name__)
 
 SLOW_KINDS = frozenset({TierKind.DISK, TierKind.REDIS})
 LOOKUP_TIMEOUT_S = 0.25
-
-
-@dataclass
-class _Hit:
-    chunks: int
-    local_tokens: int
-    locations: list[list[str | None]]
-    is_async: bool
-
-
-@dataclass
-class _ReqState:
-    source: Any  # the engine's request (its token list grows with outputs) or its NewRequestData
-    extra: bytes
-    keys: list[list[Key]]
-    block_ids: list[list[int]] = field(default_factory=list)
-    saved_chunks: int = 0
-    unfilled: list[range] = field(default_factory=list)  # per group: chunks a load left unwritten (never saved)
-    opaque: bool = False  # prompt embeds: token ids do not identify the KV, so no hits and no saves
-    counted: bool = False  # its keys joined the reuse counts (once per request)
-
-
-def _tokens(source: Any) -> Sequence[int]:
-    """Every token whose KV the engine may compute: prompt and outputs when the request object has them."""
-    tokens = getattr(source, "all_token_ids", None)
-    return tokens if tokens is not None else (source.prompt_token_ids or ())
 
 
 class SchedulerHalf:
@@ -89,8 +64,8 @@ class SchedulerHalf:
         self._needs = [GroupNeed(g.kind, g.kv_cache_spec.sliding_window
                                  if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0)
                        for g in kcc.kv_cache_groups]
-        self._requests: dict[str, _ReqState] = {}
-        self._hits: dict[str, _Hit] = {}
+        self._requests: dict[str, ReqState] = {}
+        self._hits: dict[str, Hit] = {}
         self._sources: dict[str, dict[TierKind, int]] = {}  # per request: its planned load's tokens by tier kind
         self._step_loads: list[LoadSpec] = []
         self._sync_pins: list[tuple[str, list[Key]]] = []
@@ -105,6 +80,7 @@ class SchedulerHalf:
         self.paused = False
         # a group kvtier does not serve (Mamba, ...) makes every hit 0 (min over groups): saving the others is waste
         self._never_hits = any(g.kind in UNSERVED for g in kcc.kv_cache_groups) or blocker is not None
+        self._has_state = any(g.kind is GroupKind.MAMBA for g in kcc.kv_cache_groups)
         if blocker is not None:
             logger.warning("kvtier loads and saves nothing in this engine: %s", blocker)
         if not self._never_hits:  # else nothing is ever stored or hit: block sizes do not matter
@@ -118,19 +94,19 @@ class SchedulerHalf:
                              "true in kvtier's config to fail at start instead", exc)
 
     # ---- lookups ---------------------------------------------------------------------------------------
-    def _state(self, req_id: str, request: Any) -> _ReqState:
+    def _state(self, req_id: str, request: Any) -> ReqState:
         """Per-request state; chunk keys are computed lazily and kept (lookups repeat every step)."""
         state = self._requests.get(req_id)
         if state is None:
-            state = _ReqState(request, request_extra(request), [[] for _ in self._spaces],
+            state = ReqState(request, request_extra(request), [[] for _ in self._spaces],
                               opaque=has_prompt_embeds(request))
             self._requests[req_id] = state
         return state
 
-    def _keys(self, state: _ReqState, chunks: int) -> list[list[Key]]:
+    def _keys(self, state: ReqState, chunks: int) -> list[list[Key]]:
         """Keys of at least the first ``chunks`` chunks of every group (fewer if the request is shorter)."""
         if self._spaces and len(state.keys[0]) < chunks:
-            tokens = list(_tokens(state.source))[:chunks * self.cfg.chunk_size]
+            tokens = list(tokens_of(state.source))[:chunks * self.cfg.chunk_size]
             state.keys = request_keys(self._spaces, tokens, self.cfg.chunk_size, state.extra)
         return state.keys
 
@@ -143,7 +119,7 @@ class SchedulerHalf:
         if state.opaque:
             return 0, False
         size = self.cfg.chunk_size
-        all_keys = self._keys(state, hit_limit(len(_tokens(request)), size))
+        all_keys = self._keys(state, hit_limit(len(tokens_of(request)), size))
         if self._seen is not None and not state.counted and all_keys:
             state.counted = True
             self._seen.add(all_keys[0])  # group 0's key names the prefix for every group
@@ -157,19 +133,21 @@ class SchedulerHalf:
             return 0, False
         used = {locations[g][i] for g, need in enumerate(self._needs) for i in need.needed(chunks, size)
                 if (i + 1) * size > num_computed_tokens}
-        is_async = any(self._kinds.get(t or "") in SLOW_KINDS for t in used)
-        self._hits[request.request_id] = _Hit(chunks, num_computed_tokens, locations, is_async)
+        # a recurrent state loads asynchronously: vLLM copies the hit block's state into the running block before
+        # a synchronous load could fill it (its preprocess_mamba runs before start_load_kv)
+        is_async = self._has_state or any(self._kinds.get(t or "") in SLOW_KINDS for t in used)
+        self._hits[request.request_id] = Hit(chunks, num_computed_tokens, locations, is_async)
         return chunks * size - num_computed_tokens, is_async
 
     def _locate(self, group: int, keys: Sequence[Key]) -> list[str | None]:
         """The fastest tier of the group's placement holding each key (None: nowhere). Without shared tiers, a
-        group that needs a whole prefix (not sliding window) stops at the first chunk no tier holds: the chunks
-        past it cannot be part of a hit (they stay None)."""
+        group that needs a whole prefix (not sliding window, not recurrent state) stops at the first chunk no tier
+        holds: the chunks past it cannot be part of a hit (they stay None)."""
         out: list[str | None] = [None] * len(keys)
         placement = self._placement[group]
         local = [n for n in placement if not self.directory.is_shared(n)]
         shared = [n for n in placement if self.directory.is_shared(n)]
-        prefix_only = not shared and self._needs[group].kind is not GroupKind.SLIDING_WINDOW
+        prefix_only = not shared and self._needs[group].kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
         contains = self.directory.contains
         for i, key in enumerate(keys):
             out[i] = next((n for n in local if contains(n, key)), None)
@@ -228,7 +206,7 @@ class SchedulerHalf:
             if not self.cfg.policy.promote_on_hit:
                 state.saved_chunks = max(state.saved_chunks, hit.chunks)
 
-    def _tokens_by_kind(self, hit: _Hit) -> dict[TierKind, int]:
+    def _tokens_by_kind(self, hit: Hit) -> dict[TierKind, int]:
         """The hit's tokens by the kind of tier each comes from, read off the group that loads the most chunks
         (a full-attention group loads every chunk past the engine's own tokens)."""
         size = self.cfg.chunk_size
@@ -245,13 +223,13 @@ class SchedulerHalf:
         """Tokens of the request's planned load by tier kind (vLLM's cache-hit sources); empty without a load."""
         return dict(self._sources.get(req_id, {}))
 
-    def _unfilled(self, group: int, hit: _Hit) -> range:
+    def _unfilled(self, group: int, hit: Hit) -> range:
         """Chunks of ``group`` below the hit that neither the engine nor the load wrote: a sliding-window group
         loads only the chunks covering its window, so the blocks of earlier chunks hold stale bytes."""
         first_loaded = self._needs[group].needed(hit.chunks, self.cfg.chunk_size).start
         return range(min(hit.local_tokens // self.cfg.chunk_size, first_loaded), first_loaded)
 
-    def _load_specs(self, req_id: str, hit: _Hit, block_ids: Sequence[Sequence[int]]) -> list[LoadSpec]:
+    def _load_specs(self, req_id: str, hit: Hit, block_ids: Sequence[Sequence[int]]) -> list[LoadSpec]:
         size = self.cfg.chunk_size
         state = self._requests[req_id]
         specs: list[LoadSpec] = []
@@ -266,8 +244,9 @@ class SchedulerHalf:
                 tier = hit.locations[g][i]
                 if tier is None:  # cannot happen for a hit; never plan a load from nowhere
                     continue
+                first = (i + 1) * per_chunk - group.blocks_per_chunk(size)  # a state: the chunk's last block
                 ids = tuple(block_at(block_ids[g], j) if j >= local_blocks else NULL_BLOCK
-                            for j in range(i * per_chunk, (i + 1) * per_chunk))
+                            for j in range(first, (i + 1) * per_chunk))
                 keys, blocks = by_tier.setdefault(tier, ([], []))
                 keys.append(state.keys[g][i])
                 blocks.append(ids)
@@ -303,42 +282,65 @@ class SchedulerHalf:
                     state.block_ids[g].extend(ids)
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._plan_saves(req_id, state, computed, meta)
+        self._plan_state_saves(scheduler_output, meta)
         for tier, keys in self._sync_pins:  # synchronous loads run before any later eviction executes
             self.directory.unpin(tier, keys)
         self._sync_pins = []
         self._step_loads = []
         return meta
 
-    def _plan_saves(self, req_id: str, state: _ReqState, computed: int, meta: KVTierMetadata) -> None:
-        if state.opaque or self.disabled or self._never_hits or self.paused:
+    def _plan_saves(self, req_id: str, state: ReqState, computed: int, meta: KVTierMetadata) -> None:
+        """Save plans of the chunks that became full, for groups whose chunks are their blocks (attention)."""
+        if not self._may_save(state):
             return
         size = self.cfg.chunk_size
-        full = min(computed, len(_tokens(state.source))) // size
+        full = min(computed, len(tokens_of(state.source))) // size
         if full <= state.saved_chunks:
             return
         all_keys = self._keys(state, full)
         for g, group in enumerate(self.kcc.kv_cache_groups):
-            if not self._placement[g]:
+            if not self._placement[g] or group.kind is GroupKind.MAMBA:  # states: _plan_state_saves
                 continue
             per_chunk = size // group.kv_cache_spec.block_size
             unfilled = state.unfilled[g] if g < len(state.unfilled) else range(0)
-            chunks = [i for i in range(state.saved_chunks, full)
-                      if i not in unfilled and chunk_blocks(state.block_ids, g, i, per_chunk) is not None
-                      and self._reused(all_keys, i)]
-            if not chunks:
-                continue
-            keys = all_keys[g]
-            nbytes = group.bytes_per_chunk(size)
-            plans = self._prepare(g, [(keys[i], nbytes, keys[i - 1] if i else None) for i in chunks])
-            if not plans:
-                continue
-            engine_keys = {k for p in plans if p.source is None for k in p.store}
-            chosen = [i for i in chunks if keys[i] in engine_keys]
-            blocks = tuple(chunk_blocks(state.block_ids, g, i, per_chunk) or () for i in chosen)
-            spec = SaveSpec(req_id, g, tuple(keys[i] for i in chosen), blocks, tuple(plans))
-            meta.saves.append(spec)
-            self._inflight.add(req_id, spec.stored_keys())
+            chunks = [(i, chunk_blocks(state.block_ids, g, i, per_chunk)) for i in range(state.saved_chunks, full)
+                      if i not in unfilled and self._reused(all_keys, i)]
+            self._plan_group(req_id, g, all_keys[g], [(i, b) for i, b in chunks if b is not None], meta)
         state.saved_chunks = full
+
+    def _plan_state_saves(self, scheduler_output: Any, meta: KVTierMetadata) -> None:
+        """Save plans of the recurrent states this step writes at chunk boundaries (kvtier.connector.states)."""
+        for req_id, offers in boundary_offers(scheduler_output).items():
+            state = self._requests.get(req_id)
+            if state is None or not self._may_save(state):
+                continue
+            by_group = state_chunks(offers, self.kcc, self.cfg.chunk_size)
+            if not by_group:
+                continue
+            all_keys = self._keys(state, 1 + max(i for chunks in by_group.values() for i, _ in chunks))
+            for g, chunks in by_group.items():
+                keys = all_keys[g]
+                taken = [(i, b) for i, b in chunks if i < len(keys) and self._reused(all_keys, i)]
+                if self._placement[g]:
+                    self._plan_group(req_id, g, keys, taken, meta)
+
+    def _may_save(self, state: ReqState) -> bool:
+        return not (state.opaque or self.disabled or self._never_hits or self.paused)
+
+    def _plan_group(self, req_id: str, g: int, keys: Sequence[Key], chunks: Sequence[tuple[int, tuple[int, ...]]],
+                    meta: KVTierMetadata) -> None:
+        """Place ``chunks`` (index, block ids) of group ``g`` (kvtier.planner) and ship the ones the engine writes."""
+        if not chunks:
+            return
+        nbytes = self.kcc.kv_cache_groups[g].bytes_per_chunk(self.cfg.chunk_size)
+        plans = self._prepare(g, [(keys[i], nbytes, keys[i - 1] if i else None) for i, _ in chunks])
+        if not plans:
+            return
+        engine_keys = {k for p in plans if p.source is None for k in p.store}
+        chosen = [(i, b) for i, b in chunks if keys[i] in engine_keys]
+        spec = SaveSpec(req_id, g, tuple(keys[i] for i, _ in chosen), tuple(b for _, b in chosen), tuple(plans))
+        meta.saves.append(spec)
+        self._inflight.add(req_id, spec.stored_keys())
 
     def _reused(self, all_keys: Sequence[Sequence[Key]], chunk: int) -> bool:
         """Whether enough requests have asked for the chunk to save it (``policy.store_threshold``)."""

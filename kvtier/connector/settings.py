@@ -31,6 +31,7 @@ class EngineSettings:
     model: str | None = None  # the engine's model name or path
     kv_cache_layout: Any = None  # the cache config's KV-cache layout, if it names one (kvtier.layout.from_vllm)
     device_type: str | None = None  # where the KV cache lives ("cpu", "cuda"): how pages are packed
+    mamba_cache_mode: str | None = None  # vLLM's recurrent-state caching ("align": a state every block)
     source: Any = field(default=None, repr=False, compare=False)  # the engine's config, for model_facts
 
     def model_facts(self) -> ModelFacts | None:
@@ -56,6 +57,7 @@ def read_settings(vllm_config: Any) -> EngineSettings:
         rank=int(getattr(parallel, "rank", 0) or 0),
         model=None if model is None else str(model),
         kv_cache_layout=getattr(cache, "kv_cache_layout", None),
+        mamba_cache_mode=_text(getattr(cache, "mamba_cache_mode", None)),
         device_type=str(device) if device else None,
         source=vllm_config)
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvtier.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
 from kvtier.config import KvtierConfig, TierKind, load_config
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
-from kvtier.connector.capability import prefix_resume_blocker, weights_blocker
+from kvtier.connector.capability import prefix_resume_blocker, state_blocker, weights_blocker
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.report import WorkerReport
@@ -107,7 +107,8 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
             logger.warning("TieredConnector got no kv_cache_config: deriving one full-attention group from the "
                            "model config; pass the engine's KVCacheConfig for hybrid models")
             kcc = layout_from_model(self._vllm_config)
-        blocker = prefix_resume_blocker(self._engine, cfg.serve_without_prefix_caching)
+        blocker = (prefix_resume_blocker(self._engine, cfg.serve_without_prefix_caching)
+                   or state_blocker(self._engine, kcc))
         ident = identity_from(cfg, self._engine, tp_rank=0, fingerprinted=blocker is None)
         blocker = blocker or weights_blocker(ident.fingerprint)
         spaces = namespaces(ident, kcc, cfg.chunk_size)

@@ -1,5 +1,6 @@
 """TieredConnector's scheduler half: hits per group, chunks the engine's blocks do not fit, the async flag, a
-shared Redis tier, failed blocks. Plans: test_scheduler_plans.py; multimodal keys: test_scheduler_multimodal.py.
+shared Redis tier, failed blocks. Plans: test_scheduler_plans.py; multimodal keys: test_scheduler_multimodal.py;
+recurrent state: test_scheduler_states.py.
 
 Real tiers (a cpu pool and a disk tier in a tmp dir) behind a real TieredStore; chunks are placed with
 ``store.put`` under the keys the scheduler computes.
@@ -12,14 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from scheduler_harness import FULL, MAMBA, SCHED, SWA, TOKENS, Build, C, make_cfg, schedule_new
+from scheduler_harness import FULL, SCHED, SWA, TOKENS, Build, C, make_cfg, schedule_new
 
 from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig, RedisTierConfig, WritePolicy
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.errors import ConfigError
-from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 
 def test_full_attention_needs_every_chunk(harness: Build) -> None:
@@ -56,17 +57,6 @@ def test_never_the_whole_prompt_and_beyond_local_hits(harness: Build) -> None:
     assert conn.get_num_new_matched_tokens(Request("s", tokens[:1]), 0) == (0, False)
 
 
-def test_mamba_group_never_hits_and_nothing_is_saved_for_it(harness: Build) -> None:
-    h = harness(KVCacheConfig((FULL, MAMBA)))
-    h.place(TOKENS, 0, [0, 1, 2, 3])
-    h.place(TOKENS, 1, [0, 1, 2, 3])
-    req = Request("r", TOKENS)
-    assert h.conn.get_num_new_matched_tokens(req, 0) == (0, False)
-    h.conn.update_state_after_alloc(req, KVCacheBlocks((list(range(1, 10)), [10])), 0)
-    meta = schedule_new(h.conn, req, (list(range(1, 10)), [10]), 0, 4 * C)  # four full chunks computed
-    assert meta.saves == []  # the full-attention group's chunks could never be part of a hit
-
-
 def test_chunks_the_engines_blocks_do_not_fit_disable_kvtier_or_fail_in_strict_mode(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     kcc = KVCacheConfig((KVCacheGroupSpec(("x",), FullAttentionSpec(3, 1, 4, "float32")),))
@@ -100,19 +90,19 @@ def test_a_tier_too_small_for_one_chunk_disables_kvtier_or_fails_in_strict_mode(
         TieredConnector.from_config(dataclasses.replace(make_cfg(tmp_path), strict=True), SCHED, big)
 
 
-def test_a_model_with_a_mamba_group_starts_whatever_its_block_sizes(tmp_path: Path) -> None:
-    """vLLM sizes hybrid models' blocks itself (attention 160, Mamba 1024 tokens, ...): no hit is possible,
-    nothing to check."""
-    odd = KVCacheConfig((KVCacheGroupSpec(("x",), FullAttentionSpec(160, 1, 4, "float32")),
-                         KVCacheGroupSpec(("m",), MAMBA.kv_cache_spec)))
-    strict = dataclasses.replace(make_cfg(tmp_path), strict=True)
-    conn = TieredConnector.from_config(strict, SCHED, odd)
+def test_a_recurrent_group_whose_states_miss_the_chunk_boundaries_disables_kvtier(tmp_path: Path) -> None:
+    """States lie every block_size tokens: a state block of 160 tokens cannot serve chunks of 8."""
+    odd = KVCacheConfig((KVCacheGroupSpec(("x",), FullAttentionSpec(4, 1, 4, "float32")),
+                         KVCacheGroupSpec(("m",), MambaSpec(160, ((4,),), ("float32",)))))
+    conn = TieredConnector.from_config(make_cfg(tmp_path), SCHED, odd)
     try:
         req = Request("r", TOKENS)
         assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
         assert schedule_new(conn, req, ([1, 2], [3]), 0, 4 * C).saves == []
     finally:
         conn.shutdown()
+    with pytest.raises(ConfigError, match="block size 160 of KV-cache group 1"):
+        TieredConnector.from_config(dataclasses.replace(make_cfg(tmp_path), strict=True), SCHED, odd)
 
 
 def test_async_flag_follows_the_tier_kind(harness: Build) -> None:

@@ -58,3 +58,20 @@ def test_children_inherit_the_engine_id_and_get_their_own_transfer_config() -> N
 def test_a_malformed_child_list_is_one_clear_error(extra: dict[str, object] | None, message: str) -> None:
     with pytest.raises(ConnectorError, match=message):
         child_fields(vllm_like(extra).kv_transfer_config)
+
+
+def test_a_hybrid_model_is_served_only_where_the_engine_keeps_states_at_block_boundaries() -> None:
+    from kvtier.connector.capability import state_blocker
+    from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    hybrid = KVCacheConfig((KVCacheGroupSpec(("a",), FullAttentionSpec(16, 1, 8, "float32")),
+                            KVCacheGroupSpec(("m",), MambaSpec(16, ((4,),), ("float32",)))))
+    attention_only = KVCacheConfig(hybrid.kv_cache_groups[:1])
+    engine = vllm_like()
+    engine.cache_config.mamba_cache_mode = "none"
+    blocked = state_blocker(read_settings(engine), hybrid)
+    assert blocked is not None and "mamba_cache_mode='none'" in blocked and "--mamba-cache-mode align" in blocked
+    assert state_blocker(read_settings(engine), attention_only) is None
+    engine.cache_config.mamba_cache_mode = "align"
+    assert state_blocker(read_settings(engine), hybrid) is None
+    assert state_blocker(read_settings(None), hybrid) is None  # the reference engine keeps states per block

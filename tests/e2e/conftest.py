@@ -9,6 +9,7 @@ does; elsewhere (the main venv carries vLLM 0.33 without kernels) this directory
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -29,6 +30,7 @@ else:
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 CHUNK = 64
 ENGINE_TIMEOUT_S = 420
+PREFIX_HIT = {"qwen3_next": 160}  # tokens vLLM's own prefix cache hits of A2 after A, where not 256
 
 
 def prompts() -> dict[str, list[int]]:
@@ -131,9 +133,9 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory) -> EngineRunner:
     return EngineRunner(tmp_path_factory.mktemp("engines"))
 
 
-def kvtier_yaml(path: Path, tiers: str, **top: Any) -> str:
-    """A kvtier config with ``tiers`` (YAML flow list), chunks of ``CHUNK`` tokens."""
-    lines = [f"chunk_size: {CHUNK}", f"tiers: {tiers}", *(f"{k}: {json.dumps(v)}" for k, v in top.items())]
+def kvtier_yaml(path: Path, tiers: str, chunk_size: int = CHUNK, **top: Any) -> str:
+    """A kvtier config with ``tiers`` (YAML flow list), chunks of ``chunk_size`` tokens."""
+    lines = [f"chunk_size: {chunk_size}", f"tiers: {tiers}", *(f"{k}: {json.dumps(v)}" for k, v in top.items())]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
@@ -165,8 +167,38 @@ def references(models: Callable[[str], tuple[str, str]], run_engine: EngineRunne
             if prefix:
                 cached = run_engine({**spec, "prefix_caching": True, "phases": [[p["A"]], [p["A2"]]]})
                 ref["A2_prefix_cached"] = cached["phases"][1][0]
-                assert_hit(ref["A2_prefix_cached"], p["A2"], 256)  # a "prefix-cached" reference did hit
+                # a "prefix-cached" reference did hit: A's 256 tokens, or for the hybrid model the last state
+                # boundary in the shared 260 (vLLM gives it 160-token blocks in attention and state alike)
+                assert_hit(ref["A2_prefix_cached"], p["A2"], PREFIX_HIT.get(kind, 256))
             cache[kind, backend, prefix, cache_on] = ref
         return cache[kind, backend, prefix, cache_on]
 
     return get
+
+
+def disk_config(workdir: Path, chunk_size: int = CHUNK) -> str:
+    """A kvtier config with one disk tier under ``workdir``."""
+    return kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]",
+                       chunk_size=chunk_size)
+
+
+def same_output(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Identical greedy tokens and bit-identical logprobs."""
+    return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
+
+
+def close_output(got: dict[str, Any], want: dict[str, Any], tol: float = 1e-3) -> bool:
+    """Identical tokens, logprobs within ``tol`` (a prefill split at another point sums in another order)."""
+    return got["tokens"] == want["tokens"] and all(
+        math.isclose(a, b, abs_tol=tol) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
+
+
+def save_then_load(run_engine: EngineRunner, model: tuple[str, str], config: str, *, connector: str = "kvtier",
+                   multiprocessing: bool = False, backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Engine process 1 computes A (kvtier saves it); a new engine process 2 runs A2."""
+    p = prompts()
+    spec = {"model": model[0], "dtype": model[1], "connector": connector, "kvtier_config": config,
+            "attention_backend": backend, "prefix_caching": True}  # as deployed: the new engine's own cache is empty
+    first = run_engine({**spec, "phases": [[p["A"]]]}, multiprocessing=multiprocessing)
+    second = run_engine({**spec, "phases": [[p["A2"]]]}, multiprocessing=multiprocessing)
+    return first, second

@@ -4,7 +4,6 @@ first one's KV from each tier, and its greedy tokens and logprobs are those of v
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -21,41 +20,18 @@ from conftest import (
     EngineRunner,
     assert_hit,
     assert_uncached,
+    close_output,
     computed_tokens,
     counts_env,
+    disk_config,
     engine_env,
     kvtier_yaml,
     prompts,
+    same_output,
+    save_then_load,
 )
 
 HIT = 4 * CHUNK  # A2 shares 260 tokens with A: four whole chunks
-
-
-def disk_config(workdir: Path) -> str:
-    """A kvtier config with one disk tier under ``workdir``."""
-    return kvtier_yaml(workdir / "kvtier.yaml", f"[{{name: disk, kind: disk, capacity: 256MiB, path: {workdir}/kv}}]")
-
-
-def same_output(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    """Identical greedy tokens and bit-identical logprobs."""
-    return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
-
-
-def close_output(got: dict[str, Any], want: dict[str, Any], tol: float = 1e-3) -> bool:
-    """Identical tokens, logprobs within ``tol`` (a prefill split at another point sums in another order)."""
-    return got["tokens"] == want["tokens"] and all(
-        math.isclose(a, b, abs_tol=tol) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
-
-
-def save_then_load(run_engine: EngineRunner, model: tuple[str, str], config: str, *, connector: str = "kvtier",
-                   multiprocessing: bool = False, backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Engine process 1 computes A (kvtier saves it); a new engine process 2 runs A2."""
-    p = prompts()
-    spec = {"model": model[0], "dtype": model[1], "connector": connector, "kvtier_config": config,
-            "attention_backend": backend, "prefix_caching": True}  # as deployed: the new engine's own cache is empty
-    first = run_engine({**spec, "phases": [[p["A"]]]}, multiprocessing=multiprocessing)
-    second = run_engine({**spec, "phases": [[p["A2"]]]}, multiprocessing=multiprocessing)
-    return first, second
 
 
 def test_llama_second_engine_hits_from_disk_with_the_prefix_caches_output(
@@ -131,22 +107,6 @@ def test_mla_model_hits_where_the_engine_can_prefill_after_a_cached_prefix(
         assert_uncached(out, prompts()["A2"])
         assert second["kvtier"].get("load_chunks", 0) == 0
         assert same_output(out, references("deepseek_v2", backend, prefix=False)["A2"])
-
-
-def test_linear_attention_hybrid_serves_without_hits(
-        run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
-        references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
-    """Qwen3-Next (gated delta-net + full attention): kvtier does not store the recurrent state, so it never
-    claims a hit; the engine starts and serves the same tokens as without kvtier."""
-    config = disk_config(workdir)
-    _, second = save_then_load(run_engine, models("qwen3_next"), config)
-    out = second["phases"][0][0]
-    assert_uncached(out, prompts()["A2"])
-    assert second["kvtier"].get("load_chunks", 0) == 0
-    assert not second["kvtier"]["disabled"]
-    # the uncached run of an engine with prefix caching on too (it aligns prefill steps to the 160-token state
-    # blocks, so it sums in another order than an engine without)
-    assert same_output(out, references("qwen3_next", prefix=False, cache_on=True)["A2"])
 
 
 def test_multi_connector_with_a_legacy_child_hits(run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],

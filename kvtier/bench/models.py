@@ -94,10 +94,11 @@ def deepseek_v2() -> tuple[Any, Any]:
     ), transformers.DeepseekV2ForCausalLM
 
 
-def qwen3_next() -> tuple[Any, Any]:
+def qwen3_next(max_positions: int | None = None) -> tuple[Any, Any]:
     """Hybrid: 3 gated-delta-net (linear attention) layers + 1 full attention layer, MoE MLPs."""
     import transformers
 
+    common = {**COMMON, "max_position_embeddings": max_positions} if max_positions else COMMON
     return transformers.Qwen3NextConfig(
         hidden_size=256,
         intermediate_size=512,
@@ -117,7 +118,7 @@ def qwen3_next() -> tuple[Any, Any]:
         shared_expert_intermediate_size=128,
         decoder_sparse_step=1,
         architectures=["Qwen3NextForCausalLM"],
-        **COMMON,
+        **common,
     ), transformers.Qwen3NextForCausalLM
 
 
@@ -160,6 +161,12 @@ def make(kind: str, root: str) -> tuple[str, str]:
         config, model_class = KINDS[base]()
         build(config, model_class, out, SEED + (kind != base))
     return out, DTYPES[base]
+
+
+def make_qwen3_next(root: str) -> str:
+    """The benchmarks' hybrid (:func:`qwen3_next`, bfloat16) with 8192 positions, saved as ``root/qwen3_next``."""
+    config, model_class = qwen3_next(max_positions=8192)
+    return build(config, model_class, os.path.join(root, "qwen3_next"))
 
 
 def make_llama(root: str, layers: int, hidden: int) -> str:

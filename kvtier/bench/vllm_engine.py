@@ -37,6 +37,7 @@ ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis",
 SUFFIX = 16
 OUTPUT_TOKENS = 16
 CHUNK = 64
+HYBRID_CHUNK = 160  # vLLM's block size for the hybrid model in align mode (attention and state groups alike)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a local checkpoint directory (default: a random-weight Llama made here)")
     parser.add_argument("--layers", type=int, default=8, help="layers of the model made here")
     parser.add_argument("--hidden", type=int, default=512, help="width of the model made here")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="a random-weight Qwen3-Next (gated delta-net + attention, bf16) instead of the Llama: "
+                             f"kvtier stores its recurrent state too, in chunks of {HYBRID_CHUNK} tokens (vLLM's "
+                             "block for it); kvtier modes keep vLLM's prefix cache on (the state is kept per block "
+                             "only then) and empty it before every request (results vllm_engine_hybrid)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
     parser.add_argument("--json", help="result file (default benchmarks/results/vllm_engine.json)")
     parser.add_argument("--png", help="plot file (default: beside the JSON)")
@@ -54,12 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
 
 
-def _kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None) -> str:
+def _kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None, chunk: int = CHUNK) -> str:
     tier = {"kvtier_cpu": "{name: cpu, kind: cpu, capacity: 2GiB}",
             "kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / 'kv'}}}",
             "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
     # vLLM's prefix cache is off in these modes so that every hit comes from the tier: by choice, so kvtier may serve
-    path.write_text(f"chunk_size: {CHUNK}\ntiers: [{tier}]\nserve_without_prefix_caching: true\n")
+    path.write_text(f"chunk_size: {chunk}\ntiers: [{tier}]\nserve_without_prefix_caching: true\n")
     return str(path)
 
 
@@ -90,10 +96,12 @@ def worker(spec_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     mode = spec["mode"]
+    reset = bool(spec.get("hybrid")) and mode.startswith("kvtier")  # every hit from kvtier, none from vLLM's cache
     kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
-                          "max_model_len": spec["max_model_len"], "enforce_eager": True, "dtype": "float32",
+                          "max_model_len": spec["max_model_len"], "enforce_eager": True,
+                          "dtype": spec.get("dtype", "float32"),
                           "seed": 0, "max_num_seqs": max(8, spec["batch"]), "compilation_config": {"mode": 0},
-                          "enable_prefix_caching": mode in ("vllm_prefix", "vllm_offloading"),
+                          "enable_prefix_caching": mode in ("vllm_prefix", "vllm_offloading") or reset,
                           "disable_log_stats": True}
     transfer = _transfer(mode, spec.get("kvtier_config"))
     if transfer is not None:
@@ -109,7 +117,11 @@ def worker(spec_path: str, out_path: str) -> None:
     many = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
     prompts = spec["prompts"]
 
+    failed_resets = [0]  # vLLM refuses a reset while blocks are in use: then a hit may be vLLM's own (reported)
+
     def generate(token_lists: list[list[int]], params: Any) -> tuple[float, list[Any]]:
+        if reset and not _reset_prefix_cache(llm):
+            failed_resets[0] += 1
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_lists], params, use_tqdm=False)
         return time.perf_counter() - t, outs
@@ -134,8 +146,21 @@ def worker(spec_path: str, out_path: str) -> None:
         batch = [length["prefix"] + s for s in length["batch"]]
         seconds, _ = generate(batch, many)
         throughput[n] = sum(len(p) for p in batch) / seconds
-    result.update(ttft_s=ttft, cached_tokens=cached, first_tokens=tokens, prompt_tokens_per_s=throughput)
+    result.update(ttft_s=ttft, cached_tokens=cached, first_tokens=tokens, prompt_tokens_per_s=throughput,
+                  prefix_cache_resets_failed=failed_resets[0])
     Path(out_path).write_text(json.dumps(result))
+
+
+def _reset_prefix_cache(llm: Any, timeout_s: float = 5.0) -> bool:
+    """Empty vLLM's prefix cache; it refuses while a finished request's blocks wait for its saves, so step the
+    engine (it then learns they are done) and retry until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.02)
+    return True
 
 
 def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -237,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         worker(*args.worker)
         return 0
     from kvtier.bench.measure import save_results
-    from kvtier.bench.models import make_llama
+    from kvtier.bench.models import make_llama, make_qwen3_next
     from kvtier.bench.redis_servers import redis_server
 
     lengths = [256, 512] if args.quick else list(args.lengths)
@@ -246,20 +271,22 @@ def run(args: argparse.Namespace) -> int:
     layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-")))
-        model = args.model or make_llama(str(workdir), layers, hidden)
+        model, dtype = ((make_qwen3_next(str(workdir)), "bfloat16") if args.hybrid
+                        else (args.model or make_llama(str(workdir), layers, hidden), "float32"))
+        chunk = HYBRID_CHUNK if args.hybrid else CHUNK
         redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
-        spec = {"model": model, "prompts": _prompts(lengths, repeats, batch), "repeats": repeats, "batch": batch,
-                "max_model_len": max(lengths) + SUFFIX + OUTPUT_TOKENS + 64}
+        spec = {"model": model, "dtype": dtype, "hybrid": args.hybrid, "prompts": _prompts(lengths, repeats, batch),
+                "repeats": repeats, "batch": batch, "max_model_len": max(lengths) + SUFFIX + OUTPUT_TOKENS + 64}
         results: dict[str, dict[str, Any]] = {}
         for mode in args.modes:
-            config = (_kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url)
+            config = (_kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url, chunk)
                       if mode.startswith("kvtier") else None)
             print(f"== {mode}", flush=True)
             results[mode] = _run_mode(mode, {**spec, "kvtier_config": config}, workdir)
     table = summarize(results, lengths)
     _print(table)
-    settings = {"lengths": lengths, "repeats": repeats, "batch": batch, "chunk_size": CHUNK,
-                "model": args.model or f"random Llama, {layers} layers x {hidden}, float32",
+    settings = {"lengths": lengths, "repeats": repeats, "batch": batch, "chunk_size": chunk,
+                "model": _model_name(args, layers, hidden),
                 "suffix_tokens": SUFFIX, "output_tokens": OUTPUT_TOKENS}
     try:
         import vllm
@@ -267,10 +294,17 @@ def run(args: argparse.Namespace) -> int:
         settings["vllm"] = str(vllm.__version__)
     except ImportError:
         pass
-    save_results(args, "vllm_engine", {"settings": settings, "results": table,
+    save_results(args, "vllm_engine_hybrid" if args.hybrid else "vllm_engine", {"settings": settings, "results": table,
                                        "raw": {m: {k: v for k, v in r.items() if k != "first_tokens"}
                                                for m, r in results.items()}}, plot=_plot(table))
     return 0
+
+
+def _model_name(args: argparse.Namespace, layers: int, hidden: int) -> str:
+    if args.hybrid:
+        return ("random Qwen3-Next, 3 gated delta-net + 1 attention layer x 256, bfloat16; kvtier modes: vLLM's "
+                "prefix cache on and emptied before every request")
+    return args.model or f"random Llama, {layers} layers x {hidden}, float32"
 
 
 def main() -> int:

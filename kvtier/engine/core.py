@@ -176,7 +176,7 @@ class Engine:
         if total > self.args.model.max_model_len:
             raise ValueError(f"request {spec.request_id}: {total} tokens exceed max_model_len "
                              f"{self.args.model.max_model_len}")
-        if -(-total // self.args.block_size) * self.kv.num_groups > self.args.num_blocks - 1:
+        if self.kv.blocks_needed(total) > self.args.num_blocks - 1:
             raise ValueError(f"request {spec.request_id}: {total} tokens do not fit the block pool")
         req = EngineRequest(request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
                             max_tokens=spec.max_tokens)

@@ -7,6 +7,8 @@ matrix products go through :func:`tiled_matmul` (rows padded to tiles of ``TILE`
 scatter, a wrong block, a stale chunk), never rounding noise from a different batch shape.
 
 Layout of one layer's paged KV tensor: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V).
+Layers listed in ``ModelConfig.recurrent_layers`` are gated linear attention instead (kvtier.engine.recurrent):
+their state lives in one block of a ``uint8`` state cache, read and written per request.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from kvtier.engine.recurrent import StateBatch, StateLayout, init_recurrent_weights, recurrent_mixer, reference_mixer
 from kvtier.layout import dtype_name
 
 TILE = 16  # rows per matrix-product tile; queries of one request are padded to a multiple of it
@@ -27,7 +30,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the tiny model. ``sliding_window`` set: the layers in ``swa_layers`` (default: odd ones) use it."""
+    """Shape of the tiny model. ``sliding_window`` set: the layers in ``swa_layers`` (default: odd ones that are
+    not recurrent) use it. ``recurrent_layers``: gated linear-attention layers (kvtier.engine.recurrent)."""
 
     vocab_size: int = 512
     num_layers: int = 4
@@ -42,6 +46,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     dtype: str = "float32"
     seed: int = 0
+    recurrent_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -50,15 +55,24 @@ class ModelConfig:
             raise ValueError(f"positions must be 'rope' or 'learned', not {self.positions!r}")
         if dtype_name(self.dtype) not in _DTYPES:
             raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
+        recurrent = set(self.recurrent_layers)
+        if len(recurrent) != len(self.recurrent_layers) or not recurrent <= set(range(self.num_layers)):
+            raise ValueError(f"recurrent_layers must be distinct layer indices below {self.num_layers}")
+        if recurrent & set(self.sliding_layers()):
+            raise ValueError("a layer cannot be both recurrent and sliding-window")
+        if len(recurrent) + len(self.sliding_layers()) >= self.num_layers:
+            raise ValueError("the model needs at least one full-attention layer")
 
     @property
     def model(self) -> str:
         """A model id naming these weights (engines' ``model_config.model``; kvtier scopes keys by it)."""
         layers = ",".join(str(i) for i in self.sliding_layers())
         window = f"-swa{self.sliding_window}@{layers}" if self.sliding_window else ""
+        rec = ",".join(str(i) for i in sorted(self.recurrent_layers))
+        recurrent = f"-gla@{rec}" if rec else ""
         pos = f"rope{self.rope_theta:g}" if self.positions == "rope" else f"learned{self.max_model_len}"
         return (f"kvtier-tiny-l{self.num_layers}h{self.num_heads}kv{self.num_kv_heads}d{self.head_size}"
-                f"v{self.vocab_size}i{self.intermediate_size}-{pos}{window}-seed{self.seed}")
+                f"v{self.vocab_size}i{self.intermediate_size}-{pos}{window}{recurrent}-seed{self.seed}")
 
     @property
     def weights_identity(self) -> str:
@@ -80,14 +94,21 @@ class ModelConfig:
             return ()
         if self.swa_layers is not None:
             return tuple(sorted(self.swa_layers))
-        return tuple(i for i in range(self.num_layers) if i % 2 == 1)
+        return tuple(i for i in range(self.num_layers) if i % 2 == 1 and i not in self.recurrent_layers)
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if layer in self.sliding_layers() else None
 
-    @staticmethod
-    def layer_name(layer: int) -> str:
-        return f"model.layers.{layer}.self_attn"
+    def is_recurrent(self, layer: int) -> bool:
+        return layer in self.recurrent_layers
+
+    def state_layout(self) -> StateLayout:
+        """Shapes and cache row of one recurrent layer's state."""
+        return StateLayout.of(self.hidden_size, self.num_heads, self.head_size)
+
+    def layer_name(self, layer: int) -> str:
+        """The layer's name (vLLM's style: ``self_attn`` for attention, ``linear_attn`` for recurrent layers)."""
+        return f"model.layers.{layer}.{'linear_attn' if self.is_recurrent(layer) else 'self_attn'}"
 
 
 @dataclass
@@ -108,6 +129,7 @@ class BatchMeta:
     ctx_lens: torch.Tensor  # [N] tokens in context after this step (computed + scheduled)
     sample_rows: torch.Tensor  # [S] rows whose next-token logits are wanted
     groups: list[GroupAttention] = field(default_factory=list)
+    states: StateBatch | None = None  # recurrent layers: each request's running state block
 
 
 class LayerHooks(Protocol):
@@ -167,16 +189,25 @@ class TinyTransformer:
         """Run the batch, writing each layer's new K/V into its paged cache; logits of ``meta.sample_rows``."""
         h = self.embed(tokens, meta.positions)
         for i in range(self.config.num_layers):
-            if hooks is not None:
-                hooks.before_attention(i)
-            attn = self._attention(i, rms_norm(h, self.weights[f"{i}.ln1"]), meta, kv_caches[i],
-                                   meta.groups[group_of_layer[i]])
-            if hooks is not None:
-                hooks.after_attention(i)
-            h = h + attn
+            x = rms_norm(h, self.weights[f"{i}.ln1"])
+            if self.config.is_recurrent(i):
+                h = h + self._recurrent(i, x, meta, kv_caches[i])
+            else:  # the connector's per-layer hooks wrap attention layers only, as in vLLM
+                if hooks is not None:
+                    hooks.before_attention(i)
+                attn = self._attention(i, x, meta, kv_caches[i], meta.groups[group_of_layer[i]])
+                if hooks is not None:
+                    hooks.after_attention(i)
+                h = h + attn
             h = h + self._mlp(i, rms_norm(h, self.weights[f"{i}.ln2"]))
         out = rms_norm(h[meta.sample_rows], self.weights["norm"])
         return tiled_matmul(out, self.weights["lm_head"]).float()
+
+    def _recurrent(self, i: int, x: torch.Tensor, meta: BatchMeta, cache: torch.Tensor) -> torch.Tensor:
+        if meta.states is None:
+            raise ValueError("a batch for a model with recurrent layers needs its state blocks (BatchMeta.states)")
+        return recurrent_mixer(self.weights, i, x, meta.states, cache, self.config.state_layout(),
+                               self.config.num_heads, tiled_matmul)
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = tiled_matmul(x, self.weights[f"{i}.gate_up"]).chunk(2, dim=-1)
@@ -257,8 +288,11 @@ def _init_weights(c: ModelConfig, gen: torch.Generator) -> dict[str, torch.Tenso
         w["pos_embed"] = (0.5 * torch.randn(c.max_model_len, d, generator=gen)).to(c.torch_dtype)
     for i in range(c.num_layers):
         w[f"{i}.ln1"], w[f"{i}.ln2"] = ones(d), ones(d)
-        w[f"{i}.qkv"] = rand(d, d + 2 * kv)
-        w[f"{i}.o"] = rand(d, d)
+        if c.is_recurrent(i):
+            w.update(init_recurrent_weights(i, d, c.num_heads, rand, gen))
+        else:
+            w[f"{i}.qkv"] = rand(d, d + 2 * kv)
+            w[f"{i}.o"] = rand(d, d)
         w[f"{i}.gate_up"] = rand(d, 2 * c.intermediate_size)
         w[f"{i}.down"] = rand(c.intermediate_size, d)
     return w
@@ -270,23 +304,33 @@ def reference_logits(model: TinyTransformer, token_ids: list[int]) -> torch.Tens
     positions = torch.arange(len(token_ids))
     h = model.embed(torch.tensor(token_ids), positions).float()
     wf = {name: t.float() for name, t in w.items()}
-    cos, sin = model.cos[positions], model.sin[positions]
     for i in range(c.num_layers):
         x = rms_norm(h, wf[f"{i}.ln1"])
-        q, k, v = (x @ wf[f"{i}.qkv"]).split([c.hidden_size, c.num_kv_heads * c.head_size,
-                                              c.num_kv_heads * c.head_size], dim=-1)
-        q, k, v = (t.reshape(len(token_ids), -1, c.head_size) for t in (q, k, v))
-        if c.positions == "rope":
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        rep = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(c.head_size)
-        allowed = positions[None, :] <= positions[:, None]
-        window = c.window_of(i)
-        if window is not None:
-            allowed &= positions[None, :] > positions[:, None] - window
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        h = h + torch.einsum("hqk,khd->qhd", probs, v).reshape(len(token_ids), -1) @ wf[f"{i}.o"]
+        if c.is_recurrent(i):
+            h = h + reference_mixer(wf, i, x, c.num_heads, c.state_layout())
+        else:
+            h = h + _dense_attention(model, wf, i, x, positions)
         gate, up = (rms_norm(h, wf[f"{i}.ln2"]) @ wf[f"{i}.gate_up"]).chunk(2, dim=-1)
         h = h + (torch.nn.functional.silu(gate) * up) @ wf[f"{i}.down"]
     return rms_norm(h, wf["norm"]) @ wf["lm_head"]
+
+
+def _dense_attention(model: TinyTransformer, wf: dict[str, torch.Tensor], i: int, x: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """Layer ``i``'s attention over the whole sequence (float32, no paging)."""
+    c, n = model.config, x.shape[0]
+    q, k, v = (x @ wf[f"{i}.qkv"]).split([c.hidden_size, c.num_kv_heads * c.head_size,
+                                          c.num_kv_heads * c.head_size], dim=-1)
+    q, k, v = (t.reshape(n, -1, c.head_size) for t in (q, k, v))
+    if c.positions == "rope":
+        cos, sin = model.cos[positions], model.sin[positions]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    rep = c.num_heads // c.num_kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(c.head_size)
+    allowed = positions[None, :] <= positions[:, None]
+    window = c.window_of(i)
+    if window is not None:
+        allowed &= positions[None, :] > positions[:, None] - window
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1) @ wf[f"{i}.o"]

@@ -2,12 +2,16 @@
 
 Per ``schedule()`` step:
     RUNNING requests first (chunked prefill or one decode token each, within the token budget); when blocks
-    run out the last running request is preempted (recompute style: blocks freed, back to WAITING).
+    run out the last running request is preempted (recompute style: blocks freed, back to WAITING); when
+    nothing runs, waiting requests holding loaded blocks are, so that the first waiting one can start.
     WAITING requests, unless something was preempted this step:
         WAITING_FOR_REMOTE_KVS: skipped until the id came back in ``finished_recving``; then scheduled with
         its loaded tokens counted as computed (``update_state_after_alloc`` is called again with 0).
         fresh / preempted: ``get_num_new_matched_tokens(request, 0)`` (None: retry next step), allocate,
         ``update_state_after_alloc(request, all blocks, num_external)``; an async load parks the request.
+    Models with recurrent layers: prefill steps end at multiples of the block size (vLLM's
+    ``_mamba_block_aligned_split``), and ``scheduler_output.kv_connector_block_state`` offers the connector the
+    block of every state this step writes at a block boundary, for ``build_connector_meta`` only.
     ``build_connector_meta(scheduler_output)`` every step, before ``num_computed_tokens`` advances.
 ``update_from_output``: ``update_connector_output`` first, then invalid blocks (truncate at the first failed
 block, or to 0 for hybrid models whose sliding window before that point was never loaded; "recompute"
@@ -29,6 +33,7 @@ import torch
 from kvtier.connector.base import KVConnectorBase, supports_hma
 from kvtier.connector.types import (
     KVCacheBlocks,
+    KVConnectorBlockState,
     KVConnectorOutput,
     NewRequestData,
     Request,
@@ -93,7 +98,7 @@ class Scheduler:
             raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail'")
         if connector is not None and kv.num_groups > 1 and not supports_hma(connector):
             raise ConnectorError(f"{type(connector).__name__} does not support several KV-cache groups "
-                                 "(SupportsHMA); use a model without sliding-window layers")
+                                 "(SupportsHMA); use a model without sliding-window or recurrent layers")
         self.kv, self.config, self.connector, self.clock = kv, config, connector, clock
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()
@@ -101,7 +106,9 @@ class Scheduler:
         self.delayed_free: set[str] = set()
         self._recved: set[str] = set()
         self._finished_ids: set[str] = set()
-        self._hybrid = any(w is not None for w in kv.windows)
+        # a failed block makes such a request recompute from 0: a window before it, or the recurrent state at the
+        # point it would resume from, may never have been loaded
+        self._hybrid = any(w is not None for w in kv.windows) or kv.state_group is not None
 
     def add_request(self, req: EngineRequest) -> None:
         if req.request_id in self.requests:
@@ -122,7 +129,9 @@ class Scheduler:
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         if self.connector is not None:
+            out.kv_connector_block_state = self._block_state(out)
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+            out.kv_connector_block_state = None  # scheduler-local: never shipped to workers (as in vLLM)
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             req.prefill_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
@@ -136,7 +145,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._aligned(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:  # its next block-aligned chunk does not fit this step's budget
+                i += 1
+                continue
             new = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n)
             if new is None:
                 victim = self.running.pop()
@@ -164,6 +176,8 @@ class Scheduler:
             scheduled = self._try_waiting(req, out, budget)
             if scheduled is None:
                 self.waiting.appendleft(req)
+                if not self.running and self._preempt_waiting(req, out):
+                    continue  # the head tries again with the blocks the others held
                 break
             if scheduled < 0:
                 skipped.append(req)
@@ -171,6 +185,22 @@ class Scheduler:
             budget -= scheduled
         skipped.extend(self.waiting)
         self.waiting = skipped
+
+    def _preempt_waiting(self, head: EngineRequest, out: SchedulerOutput) -> bool:
+        """Nothing runs and ``head`` cannot get blocks: preempt the waiting requests behind it that hold blocks
+        their finished loads filled (all hits of a model with recurrent layers load asynchronously), which could
+        otherwise stall the engine; whether there were any."""
+        assert out.preempted_req_ids is not None
+        loaded = [r for r in self.waiting if r.status is RequestStatus.WAITING or r.request_id in self._recved]
+        held = [r for r in loaded if r is not head and self.kv.holds_blocks(r.request_id)]
+        for req in held:
+            req.external_tokens = max(0, req.external_tokens - req.num_computed_tokens)
+            self._recved.discard(req.request_id)
+            self.kv.free(req.request_id)
+            req.status, req.pending_external, req.num_computed_tokens, req.resumed = RequestStatus.WAITING, 0, 0, True
+            req.num_preemptions += 1
+            out.preempted_req_ids.add(req.request_id)
+        return bool(held)
 
     def _try_waiting(self, req: EngineRequest, out: SchedulerOutput, budget: int) -> int | None:
         """Tokens scheduled; -1 when the request stays waiting; None when blocks ran out."""
@@ -192,8 +222,10 @@ class Scheduler:
         if not is_async and nc + ext >= req.num_tokens:
             raise ConnectorError(f"connector matched {ext} of {req.num_tokens} tokens; at least one token "
                                  "must be computed")
-        n = 0 if is_async else min(req.num_tokens - nc - ext, budget)
-        if self.kv.allocate_slots(req.request_id, nc, nc + ext + n) is None:
+        n = 0 if is_async else self._aligned(req, nc + ext, min(req.num_tokens - nc - ext, budget))
+        if not is_async and n == 0:
+            return None  # its first block-aligned chunk does not fit this step's budget
+        if self.kv.allocate_slots(req.request_id, nc, nc + ext + n, num_external=ext) is None:
             return None
         if self.connector is not None:
             blocks = KVCacheBlocks(self.kv.blocks_of(req.request_id))
@@ -205,6 +237,33 @@ class Scheduler:
         req.external_tokens += ext
         self._start_running(req, out, n)
         return n
+
+    def _aligned(self, req: EngineRequest, start: int, n: int) -> int:
+        """Tokens of a step from ``start`` (at most ``n``) for a model with recurrent layers, as vLLM's
+        ``_mamba_block_aligned_split`` clips them (no speculative decoding, no shared-prefix junctions): a prefill
+        step ends at a multiple of the block size unless it ends the prefill, and stops at the last block
+        boundary before the prompt's end (the longest prefix whose state a later request can resume from)."""
+        if self.kv.state_group is None:
+            return n
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        bs, end = self.kv.block_size, start + n
+        aligned = end // bs * bs
+        if end < prefill_end and (aligned > start or bs <= self.config.max_num_batched_tokens):
+            end = aligned
+        stops = ((start // bs + 1) * bs if start % bs else 0, (req.num_tokens - 1) // bs * bs)
+        return min((s for s in stops if start < s < end), default=end) - start
+
+    def _block_state(self, out: SchedulerOutput) -> KVConnectorBlockState:
+        """The recurrent states this step writes at block boundaries: per request ``(group, block, tokens)``."""
+        offers: dict[str, list[tuple[int, int, int]]] = {}
+        group = self.kv.state_group
+        for req_id, n in out.num_scheduled_tokens.items():
+            seq_len = self.requests[req_id].num_computed_tokens + n
+            if group is not None and seq_len % self.kv.block_size == 0:
+                offers[req_id] = [(group, self.kv.state_block(req_id, seq_len), seq_len)]
+        return KVConnectorBlockState(boundary_state_offloads=offers)
 
     def _start_running(self, req: EngineRequest, out: SchedulerOutput, n: int) -> None:
         req.status = RequestStatus.RUNNING

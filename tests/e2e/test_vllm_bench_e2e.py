@@ -91,3 +91,26 @@ def test_bench_vllm_replay_quick_run_accounts_every_hit_and_changes_no_answer(wo
         raw = data["raw"][mode]
         prompt_computed = sum(r["prompt"] - r["cached"] for r in raw)
         assert scheduled[pid] == prompt_computed + requests * (outputs - 1), mode
+
+
+def test_bench_vllm_hybrid_quick_run_hits_the_state_and_kv_from_kvtier(workdir: Path) -> None:
+    """``kvtier bench vllm --hybrid --quick``: Qwen3-Next, kvtier cpu with vLLM's prefix cache emptied before every
+    request. Hits stop at the last 160-token state boundary, and the engine computes only the rest."""
+    from kvtier.bench.vllm_engine import HYBRID_CHUNK, SUFFIX
+
+    out = workdir / "vllm_engine_hybrid.json"
+    counts = workdir / "counts.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "bench", "vllm", "--hybrid", "--quick", "--modes", "none",
+                           "kvtier_cpu", "--json", str(out), "--no-plot"],
+                          env={**engine_env(workdir), **counts_env(counts)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    body = json.loads(out.read_text())
+    assert body["raw"]["kvtier_cpu"]["prefix_cache_resets_failed"] == 0  # every hit is kvtier's
+    computed = {n for _, n in computed_tokens(counts)}
+    for length, rows in body["results"].items():
+        hit = (int(length) + SUFFIX - 1) // HYBRID_CHUNK * HYBRID_CHUNK
+        assert rows["none"]["cached_tokens"] == 0
+        assert rows["kvtier_cpu"]["cached_tokens"] == hit
+        assert rows["kvtier_cpu"]["same_first_token_as_none"] is True
+        assert int(length) + SUFFIX - hit in computed, sorted(computed)

@@ -252,11 +252,10 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
     try:
         _wait_ready(server, base, workdir / "server.log")
         p = prompts()
-        body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                "logprobs": 1}
-        first = _post(f"{base}/v1/completions", {**body, "prompt": p["A"]})
+        body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        first = _post(f"{base}/v1/completions", {**body, "logprobs": 1, "prompt": p["A"]})
         time.sleep(1.0)  # the first request's chunks are visible once its saves are done
-        second = _post(f"{base}/v1/completions", {**body, "prompt": p["A2"]})
+        second = _post(f"{base}/v1/completions", {**body, "logprobs": 1, "prompt": p["A2"]})
         with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
             metrics = response.read().decode()
     finally:

@@ -20,7 +20,7 @@ from kvtier.config import DiskTierConfig, GpuTierConfig, KvtierConfig, RedisTier
 from kvtier.config_parse import format_duration, format_size
 from kvtier.errors import ConfigError
 from kvtier.fit import check_fit
-from kvtier.layout import DTYPE_SIZES, GroupKind, KVCacheConfig, dtype_name, simple_config
+from kvtier.layout import DTYPE_SIZES, GroupKind, KVCacheConfig, KVCacheGroupSpec, MambaSpec, dtype_name, simple_config
 from kvtier.tiers import check_extras
 
 HELP = "validate a config file and show tier capacities in bytes, tokens and chunks"
@@ -28,16 +28,29 @@ HELP = "validate a config file and show tier capacities in bytes, tokens and chu
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The KV shape of a plain attention model: bytes per token = 2 x layers x kv_heads x head_size x dtype."""
+    """The KV shape of a model: bytes per token = 2 x layers x kv_heads x head_size x dtype for its attention
+    layers; a hybrid's recurrent layers (``state_layers``) each add ``state_bytes`` of state per stored boundary."""
 
     layers: int = 32
     kv_heads: int = 8
     head_size: int = 128
     dtype: str = "bfloat16"
     block_size: int = 16
+    state_layers: int = 0
+    state_bytes: int = 0
 
     def layout(self) -> KVCacheConfig:
-        return simple_config(self.layers, self.kv_heads, self.head_size, self.dtype, block_size=self.block_size)
+        attention = simple_config(self.layers, self.kv_heads, self.head_size, self.dtype, block_size=self.block_size)
+        if not (self.state_layers and self.state_bytes):
+            return attention
+        states = KVCacheGroupSpec(tuple(f"state.{i}" for i in range(self.state_layers)),
+                                  MambaSpec(self.block_size, ((self.state_bytes,),), ("uint8",)))
+        return KVCacheConfig((*attention.kv_cache_groups, states))
+
+    @property
+    def state_bytes_per_chunk(self) -> int:
+        """Bytes of one stored state boundary: every recurrent layer's state (0 for attention-only models)."""
+        return self.state_layers * self.state_bytes if self.state_bytes else 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -70,7 +83,7 @@ def parse_model_shape(text: str) -> ModelShape:
             values[key] = dtype_name(value.strip()) if key == "dtype" else int(value)
         except ValueError as exc:
             raise ConfigError("--model-shape", f"bad value in {item!r}: {exc}", hint) from None
-        if key != "dtype" and values[key] <= 0:
+        if key != "dtype" and values[key] <= 0 and not key.startswith("state_"):
             raise ConfigError("--model-shape", f"{key} must be positive", hint)
     return replace(shape, **values)
 
@@ -79,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvtier check``."""
     parser.add_argument("config", metavar="CONFIG", help="YAML config file")
     parser.add_argument("--model-shape", default=DEFAULT_SHAPE, type=str, metavar="SHAPE",
-                        help=f"layers=N,kv_heads=N,head_size=N,dtype=D[,block_size=N] or a preset "
+                        help=f"layers=N,kv_heads=N,head_size=N,dtype=D[,block_size=N][,state_layers=N,"
+                             f"state_bytes=B (a hybrid's recurrent layers and each one's state bytes)] or a preset "
                              f"({', '.join(PRESETS)}; default {DEFAULT_SHAPE})")
     parser.add_argument("--json", action="store_true", help="print a JSON report")
     parser.add_argument("--no-env", action="store_true", help="ignore KVTIER_* environment variables")
@@ -109,19 +123,26 @@ def report(cfg: KvtierConfig, shape: ModelShape, source: str) -> dict[str, Any]:
 
     chunk_payload = shape.bytes_per_token * cfg.chunk_size
     record = chunk_payload + HEADER_SIZE + (MAC_BYTES if cfg.security.hmac_key_env else 0)
+    state = shape.state_bytes_per_chunk
+    state_record = state + HEADER_SIZE + (MAC_BYTES if cfg.security.hmac_key_env else 0) if state else 0
     tiers = []
     for tier in cfg.tiers:
         # Memory tiers hold raw payloads in slots; disk and Redis hold encoded records (header + payload).
-        chunks = tier.capacity // (chunk_payload if tier.kind in (TierKind.CPU, TierKind.GPU) else record)
+        memory = tier.kind in (TierKind.CPU, TierKind.GPU)
+        chunks = tier.capacity // (chunk_payload if memory else record)
+        held = state if memory else state_record
+        states = tier.capacity // held if held and tier.name in cfg.tiers_for(GroupKind.MAMBA) else 0
         groups = [k.value for k in GroupKind if tier.name in cfg.tiers_for(k)]
         tiers.append({"name": tier.name, "kind": tier.kind.value, "capacity_bytes": tier.capacity,
                       "capacity": format_size(tier.capacity), "chunks": chunks, "tokens": chunks * cfg.chunk_size,
+                      "states": states,
                       "compression": tier.compression or "none", "eviction": tier.eviction or cfg.policy.eviction,
                       "groups": groups, "details": _details(tier)})
     return {
         "ok": True, "config": source, "chunk_size": cfg.chunk_size,
         "model_shape": {**asdict(shape), "bytes_per_token": shape.bytes_per_token,
-                        "bytes_per_chunk": chunk_payload, "bytes_per_record": record},
+                        "bytes_per_chunk": chunk_payload, "bytes_per_record": record,
+                        "state_bytes_per_chunk": state, "bytes_per_state_record": state_record},
         "policy": {"eviction": cfg.policy.eviction, "write": cfg.policy.write.value,
                    "promote_on_hit": cfg.policy.promote_on_hit},
         "placement": {k.value: list(cfg.tiers_for(k)) for k in GroupKind},
@@ -139,6 +160,9 @@ def render(rep: dict[str, Any]) -> str:
         f"dtype={shape['dtype']}: {format_size(shape['bytes_per_token'])} per token, "
         f"{format_size(shape['bytes_per_chunk'])} per chunk "
         f"(+{shape['bytes_per_record'] - shape['bytes_per_chunk']} B record header)",
+        *([f"recurrent      {shape['state_layers']} layers x {format_size(shape['state_bytes'])}: "
+           f"{format_size(shape['state_bytes_per_chunk'])} per stored state (one per prompt boundary vLLM keeps)"]
+          if shape["state_bytes_per_chunk"] else []),
         "policy         " + " ".join(f"{k}={str(v).lower()}" for k, v in rep["policy"].items()),
         "placement      " + "; ".join(f"{k}: {', '.join(v) or '(not stored)'}" for k, v in rep["placement"].items()),
         "",
@@ -148,6 +172,8 @@ def render(rep: dict[str, Any]) -> str:
         capacity = f"{t['capacity_bytes']} ({t['capacity']})"
         extra = " ".join(filter(None, [t["details"], f"compression={t['compression']}" if t["compression"] !=
                                        "none" else "", f"eviction={t['eviction']}"]))
+        if t["states"]:
+            extra = f"states={t['states']} {extra}"
         lines.append(f"{t['name']:<10} {t['kind']:<6} {capacity:>30} {t['chunks']:>10} {t['tokens']:>12}  {extra}")
     return "\n".join(lines)
 

@@ -225,10 +225,10 @@ def check_redis_url(raw_url: str, path: str) -> bool:
         raise ConfigError(path, f"Redis URL {url!r} has no host", hint)
     for host in hosts.split(","):
         port = host.rpartition(":")[2] if ":" in host.lstrip("[").split("]")[-1] else "6379"
-        if not port.isdigit() or not 0 < int(port) < 65536:
+        if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ConfigError(path, f"bad port in {host!r} of Redis URL {url!r}", hint)
     db = parts.path.strip("/")
-    if db and (not db.isdigit() or parts.scheme == "redis+cluster"):
+    if db and (not (db.isascii() and db.isdigit()) or parts.scheme == "redis+cluster"):
         raise ConfigError(path, f"bad database {db!r} in Redis URL {url!r}", "a database number; clusters "
                           "have only database 0")
     if parts.scheme != "redis+cluster" and "," in hosts:

@@ -67,6 +67,22 @@ def test_check_json_with_model_shape() -> None:
     assert rep["placement"]["sliding_window"] == ["gpu", "cpu"]
 
 
+def test_check_counts_a_hybrids_recurrent_state_per_stored_boundary() -> None:
+    """Qwen3-Next-80B-shaped: 12 attention layers, 36 gated delta-net layers of 2,146,304 state bytes each (conv
+    3 x 8192 bf16 + 32 x 128 x 128 float32): one stored state is 36 of them, counted where ``mamba`` is placed."""
+    shape = "layers=12,kv_heads=2,head_size=256,block_size=32,state_layers=36,state_bytes=2146304"
+    proc = run_kvtier("check", "configs/hybrid.yaml", "--json", "--model-shape", shape)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["model_shape"]["state_bytes_per_chunk"] == 36 * 2146304
+    tiers = {t["name"]: t for t in rep["tiers"]}
+    assert tiers["cpu"]["states"] == 32 * GiB // (36 * 2146304) and tiers["disk"]["states"] == 0  # mamba: [cpu]
+    text = run_kvtier("check", "configs/hybrid.yaml", "--model-shape", shape).stdout
+    assert "36 layers x 2.05 MiB: 73.69 MiB per stored state" in text
+    misfit = run_kvtier("check", "configs/hybrid.yaml", "--model-shape", shape.replace("block_size=32", "block_size=96"))
+    assert misfit.returncode == 2 and "chunk_size" in misfit.stderr and "Traceback" not in misfit.stderr
+
+
 def test_check_env_overrides_apply_and_password_is_masked(tmp_path: Path) -> None:
     env = {"KVTIER_TIERS__CPU__CAPACITY": "4GiB", "KVTIER_TIERS__REDIS__URL": "redis://:hunter2@10.1.1.1:6379/0"}
     proc = run_kvtier("check", "configs/cpu-disk-redis.yaml", env=env)

@@ -270,6 +270,8 @@ def tier(**fields: Any) -> dict[str, Any]:
     ({"tiers": [tier(kind="redis", password="hunter2")]}, "tiers[0].password", "KVTIER_REDIS_PASSWORD"),
     ({"tiers": [tier(kind="redis", url="http://x:1")]}, "tiers[0].url", "unsupported Redis URL scheme"),
     ({"tiers": [tier(kind="redis", url="redis://x:99999/0")]}, "tiers[0].url", "bad port"),
+    ({"tiers": [tier(kind="redis", url="redis://x:\u00b96379/0")]}, "tiers[0].url", "bad port"),  # a digit to str
+    ({"tiers": [tier(kind="redis", url="redis://x:6379/\u00b2")]}, "tiers[0].url", "bad database"),
     ({"tiers": [tier(kind="redis", url="redis://a:1,b:2")]}, "tiers[0].url", "redis+cluster"),
     ({"tiers": [tier(kind="redis", url="redis+cluster://a:1", cluster=False)]}, "tiers[0].cluster", "redis+cluster"),
     ({"tiers": [tier(kind="redis", timeout="fast")]}, "tiers[0].timeout", "bad duration"),

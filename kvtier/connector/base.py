@@ -19,7 +19,8 @@ Worker role:
     bind_connector_metadata(metadata) -> start_load_kv(forward_context)
     per attention layer: wait_for_layer_load(name) ... save_kv_layer(name, kv_layer, attn_metadata)
     wait_for_save()                                             (not on steps without a forward pass)
-    get_finished(finished_req_ids) -> get_block_ids_with_load_errors() -> get_kv_connector_stats()
+    get_transfer_results(finished_req_ids) (get_finished + failed async loads) -> get_block_ids_with_load_errors()
+    -> get_kv_connector_stats()
     clear_connector_metadata()
 
 Everything crossing the scheduler/worker boundary (metadata, outputs, stats) must pickle.
@@ -77,6 +78,15 @@ class KVConnectorStats:
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+@dataclass
+class KVConnectorTransferResults:
+    """What ``get_transfer_results`` returns (vLLM's names)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
 
 
 class SupportsHMA(ABC):
@@ -153,6 +163,12 @@ class KVConnectorBase(ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending, finished receiving) request ids."""
         return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished sends and receives, and the requests whose asynchronous loads failed (vLLM >= 0.32: with several
+        KV-cache groups a failed load must be reported per request, block ids are not unique across groups)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()

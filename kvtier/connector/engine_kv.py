@@ -20,7 +20,7 @@ from kvtier.connector.registration import derive_config, group_tensors
 from kvtier.directory import StorePlan
 from kvtier.geometry import KVLayout, kernel_ids
 from kvtier.keys import Key
-from kvtier.layout import KVCacheConfig
+from kvtier.layout import GroupKind, KVCacheConfig
 from kvtier.tiers.memory.recycle import Recycler, size_class
 from kvtier.transfer import gather, gathered_shape, scatter
 
@@ -85,6 +85,10 @@ class EngineKV:
             return plan
         return StorePlan(plan.tier, tuple(self.key(group, k) for k in plan.store),
                          tuple(self.key(group, k) for k in plan.evicted), plan.source)
+
+    def is_state_group(self, group: int) -> bool:
+        """Whether ``group`` holds recurrent state (one block per stored chunk) rather than KV."""
+        return self.kcc is not None and self.kcc.kv_cache_groups[group].kind is GroupKind.MAMBA
 
     def chunk_bytes(self, group: int) -> int:
         """Payload bytes of one chunk of ``group`` (0 for a group this worker holds no tensors of)."""

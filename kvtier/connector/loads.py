@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.connector.engine_kv import EngineKV
 from kvtier.connector.plans import LoadSpec
+from kvtier.connector.report import ReportBox
 from kvtier.geometry import NULL_BLOCK
 from kvtier.keys import Key
 from kvtier.metrics import WorkerCounters
@@ -54,17 +55,20 @@ def done(value: T) -> concurrent.futures.Future[T]:
 
 
 class GroupLoad:
-    """The chunks of one group read for one scatter: their blocks, payloads and tiers."""
+    """The chunks of one group read for one scatter: their blocks, payloads, tiers and the load each came from."""
 
     def __init__(self) -> None:
         self.blocks: list[tuple[int, ...]] = []
         self.payloads: list[torch.Tensor] = []
+        self.chunks: list[tuple[LoadSpec, Key]] = []
         self.per_tier: dict[str, int] = {}
         self.nbytes = 0
 
-    def add(self, tier: str, ids: tuple[int, ...], payload: torch.Tensor) -> None:
+    def add(self, spec: LoadSpec, key: Key, ids: tuple[int, ...], payload: torch.Tensor) -> None:
+        tier = spec.tier
         self.blocks.append(ids)
         self.payloads.append(payload)
+        self.chunks.append((spec, key))
         self.per_tier[tier] = self.per_tier.get(tier, 0) + 1
         self.nbytes += payload.numel() * payload.element_size()
 
@@ -72,13 +76,16 @@ class GroupLoad:
 class LoadPath:
     """Loads of planned chunks into the engine's blocks, synchronous or on the I/O loop."""
 
-    def __init__(self, kv: EngineKV, store: TieredStore, loop: LoopThread, counters: WorkerCounters) -> None:
+    def __init__(self, kv: EngineKV, store: TieredStore, loop: LoopThread, counters: WorkerCounters,
+                 report: ReportBox) -> None:
         self._kv = kv
         self.store = store
         self._loop = loop
         self._counters = counters
+        self._report = report
         self.recving: dict[str, tuple[list[LoadSpec], concurrent.futures.Future[list[Reads]]]] = {}
         self._errors: set[int] = set()
+        self._failed_requests: set[str] = set()
         self.wait_timeout_s = WAIT_TIMEOUT_S
         self.async_load_timeout_s = ASYNC_LOAD_TIMEOUT_S
 
@@ -165,25 +172,43 @@ class LoadPath:
         read, or whose group's scatter failed, counts as a load failure and its blocks are reported for
         recompute."""
         per_group: dict[int, GroupLoad] = {}
-        missing = 0
+        missing: list[tuple[LoadSpec, Key, tuple[int, ...]]] = []
         for spec, values in zip(specs, results, strict=True):
-            for ids, value in zip(spec.block_ids, values, strict=True):
-                if value is None:
-                    self._errors.update(b for b in ids if b != NULL_BLOCK)
-                    missing += 1
+            state = self._kv.is_state_group(spec.group)
+            for key, ids, value in zip(spec.keys, spec.block_ids, values, strict=True):
+                if value is None or (state and all(b == NULL_BLOCK for b in ids)):  # a state needs its block
+                    missing.append((spec, key, ids))
                     continue
-                per_group.setdefault(spec.group, GroupLoad()).add(spec.tier, ids, value)
+                per_group.setdefault(spec.group, GroupLoad()).add(spec, key, ids, value)
         if missing:
-            self._counters.load_failed(missing)
+            self._counters.load_failed(len(missing))
+            self._failed(missing)
         for group, load in per_group.items():
             try:
                 self._kv.scatter(group, load.blocks, load.payloads)
             except (ValueError, RuntimeError, IndexError) as exc:  # wrong shape/dtype: a bad record
                 logger.warning("loading %d chunk(s) into group %d failed: %s", len(load.blocks), group, exc)
-                self._errors.update(b for ids in load.blocks for b in ids if b != NULL_BLOCK)
                 self._counters.load_failed(len(load.blocks), scatter=True)
+                self._failed([(spec, key, ids) for (spec, key), ids in zip(load.chunks, load.blocks, strict=True)])
                 continue
             self._counters.loaded(group, load.per_tier, load.nbytes)
+
+    def _failed(self, chunks: Sequence[tuple[LoadSpec, Key, tuple[int, ...]]]) -> None:
+        """Report chunks that could not be loaded: with several KV-cache groups an asynchronous load fails as a
+        whole request (its chunks told to the scheduler in the worker report), block ids being unique only within
+        a group; otherwise their blocks become load errors (the engine recomputes from the first)."""
+        several = self._kv.kcc is not None and len(self._kv.kcc.kv_cache_groups) > 1
+        for spec, _, ids in chunks:
+            if several and spec.is_async:
+                self._failed_requests.add(spec.req_id)
+            else:
+                self._errors.update(b for b in ids if b != NULL_BLOCK)
+        self._report.fail_loads((spec.tier, key) for spec, key, _ in chunks if several and spec.is_async)
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose asynchronous load failed since the last call (reported with their ``finished_recving``)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def finished(self) -> set[str]:
         """Scatter the asynchronous loads whose reads are done (failed reads: load errors); their requests."""

@@ -31,6 +31,7 @@ from kvtier.connector.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorStats,
+    KVConnectorTransferResults,
     SupportsHMA,
     supports_hma,
 )
@@ -209,6 +210,15 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             recving |= child_recving or set()
             sending |= self.count_finished_sending(child_sending or ())
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        for child in self._connectors:
+            child_results = child.get_transfer_results(finished_req_ids)
+            results.finished_recving |= child_results.finished_recving
+            results.failed_recving |= child_results.failed_recving
+            results.finished_sending |= self.count_finished_sending(child_results.finished_sending)
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set()

@@ -95,6 +95,9 @@ def state_view(name: str, tensor: torch.Tensor, spec: MambaSpec) -> torch.Tensor
     import torch
 
     need = spec.state_bytes_per_layer()
+    if not isinstance(tensor, torch.Tensor):  # e.g. vLLM <= 0.31's list of conv and SSM tensors per layer
+        raise ConnectorError(f"layer {name}: its recurrent state is registered as {type(tensor).__name__}, not "
+                             "one tensor of blocks; this group cannot be cached")
     try:  # a view, never a copy: loads write through it into the engine's blocks
         rows = tensor.view(int(tensor.shape[0]), -1).view(torch.uint8)
     except RuntimeError as exc:
@@ -110,9 +113,10 @@ def group_tensors(gid: int, group: KVCacheGroupSpec, kv_caches: Mapping[str, tor
                   kv_layout: str | None, layout_hint: KVLayout | None = None, num_blocks: int = 0) -> GroupTensors:
     """Group ``gid``'s registered tensors, checked and viewed the way kvtier moves them."""
     layers = [kv_caches[n] for n in group.layer_names if n in kv_caches]
-    missing = len(group.layer_names) - len(layers)
-    if missing:
-        logger.warning("%d layer(s) of a %s group have no registered KV tensor", missing, group.kind)
+    missing = [n for n in group.layer_names if n not in kv_caches]
+    if missing and group.kind not in UNSERVED:  # a layer kvtier cannot restore would compute on stale KV
+        raise ConnectorError(f"KV-cache group {gid} ({group.kind}): layer(s) {', '.join(missing[:3])} have no "
+                             "registered KV tensor; this group cannot be cached")
     spec = group.kv_cache_spec
     if isinstance(spec, OtherSpec) and spec.name.endswith("(mixed)"):
         # vLLM gives the scheduler the first layer's spec for such a group: it would plan work here

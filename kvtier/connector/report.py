@@ -17,21 +17,26 @@ from kvtier.keys import Key
 
 # (request id, tier, key, tensor-parallel rank) of one chunk a worker did not store
 FailedSave = tuple[str, str, Key, str]
+# (tier, key) of one chunk a worker could not load (a request's asynchronous load reported failed as a whole)
+FailedLoad = tuple[str, Key]
 
 
 @dataclass
 class WorkerReport:
-    """Chunks not stored (the scheduler forgets a chunk no rank stored), and whether a worker disabled kvtier
-    (it cannot read the engine's KV tensors: the scheduler stops planning)."""
+    """Chunks not stored (the scheduler forgets a chunk no rank stored), whether a worker disabled kvtier (it
+    cannot read the engine's KV tensors: the scheduler stops planning), and chunks that could not be loaded for a
+    request whose load failed as a whole (the scheduler forgets them)."""
 
     failed_saves: list[FailedSave] = field(default_factory=list)
     disabled: bool = False
+    failed_loads: list[FailedLoad] = field(default_factory=list)
 
     def aggregate(self, other: WorkerReport) -> WorkerReport:
-        return WorkerReport([*self.failed_saves, *other.failed_saves], self.disabled or other.disabled)
+        return WorkerReport([*self.failed_saves, *other.failed_saves], self.disabled or other.disabled,
+                            [*self.failed_loads, *other.failed_loads])
 
     def __bool__(self) -> bool:
-        return bool(self.failed_saves) or self.disabled
+        return bool(self.failed_saves) or self.disabled or bool(self.failed_loads)
 
 
 class ReportBox:
@@ -44,6 +49,10 @@ class ReportBox:
     def fail(self, rows: Iterable[FailedSave]) -> None:
         with self._lock:
             self._report.failed_saves.extend(rows)
+
+    def fail_loads(self, rows: Iterable[FailedLoad]) -> None:
+        with self._lock:
+            self._report.failed_loads.extend(rows)
 
     def disable(self) -> None:
         with self._lock:

@@ -78,9 +78,9 @@ class SchedulerHalf:
         # while paused (a switch for benchmarks that time the same engine with and without kvtier's work):
         # no lookups hit and no saves are planned
         self.paused = False
-        # a group kvtier does not serve (Mamba, ...) makes every hit 0 (min over groups): saving the others is waste
+        # a group kvtier does not serve (chunked-local, ...) makes every hit 0: saving the others is waste
         self._never_hits = any(g.kind in UNSERVED for g in kcc.kv_cache_groups) or blocker is not None
-        self._has_state = any(g.kind is GroupKind.MAMBA for g in kcc.kv_cache_groups)
+        self._several_groups = len(kcc.kv_cache_groups) > 1
         if blocker is not None:
             logger.warning("kvtier loads and saves nothing in this engine: %s", blocker)
         if not self._never_hits:  # else nothing is ever stored or hit: block sizes do not matter
@@ -114,7 +114,7 @@ class SchedulerHalf:
         """Tokens beyond ``num_computed_tokens`` restorable from the tiers, and whether the load is async."""
         self._hits.pop(request.request_id, None)
         if self.disabled or self._never_hits or self.paused:
-            return 0, False  # e.g. Mamba state is not stored: no hit rather than a wrong one
+            return 0, False  # e.g. a group kvtier does not serve: no hit rather than a wrong one
         state = self._state(request.request_id, request)
         if state.opaque:
             return 0, False
@@ -133,9 +133,10 @@ class SchedulerHalf:
             return 0, False
         used = {locations[g][i] for g, need in enumerate(self._needs) for i in need.needed(chunks, size)
                 if (i + 1) * size > num_computed_tokens}
-        # a recurrent state loads asynchronously: vLLM copies the hit block's state into the running block before
-        # a synchronous load could fill it (its preprocess_mamba runs before start_load_kv)
-        is_async = self._has_state or any(self._kinds.get(t or "") in SLOW_KINDS for t in used)
+        # with several KV-cache groups a load is asynchronous: vLLM takes a failed load only per request then
+        # (failed_recving), and copies a recurrent state's hit block into the running block before a synchronous
+        # load could fill it (its preprocess_mamba runs before start_load_kv)
+        is_async = self._several_groups or any(self._kinds.get(t or "") in SLOW_KINDS for t in used)
         self._hits[request.request_id] = Hit(chunks, num_computed_tokens, locations, is_async)
         return chunks * size - num_computed_tokens, is_async
 
@@ -370,8 +371,8 @@ class SchedulerHalf:
             for tier, keys in self._async_pins.pop(req_id, []):
                 self.directory.unpin(tier, keys)
         failed: dict[str, list[Key]] = {}
-        for block in output.invalid_block_ids or ():
-            where = self._load_blocks.pop(block, None)
+        rows = [self._load_blocks.pop(block, None) for block in output.invalid_block_ids or ()]
+        for where in [*rows, *report.failed_loads]:  # blocks that failed, or a failed request's chunks
             if where is not None and where[1] not in failed.get(where[0], []):
                 failed.setdefault(where[0], []).append(where[1])
         for tier, keys in failed.items():

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
 from kvtier.config import KvtierConfig, TierKind, load_config
-from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, SupportsHMA
+from kvtier.connector.base import (
+    KVConnectorBase,
+    KVConnectorRole,
+    KVConnectorStats,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 from kvtier.connector.capability import prefix_resume_blocker, state_blocker, weights_blocker
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.plans import KVTierMetadata
@@ -183,6 +189,10 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), self._work().get_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()

@@ -88,10 +88,11 @@ class KVConnectorOutput:
     kv_connector_stats: Any = None
     invalid_block_ids: set[int] = field(default_factory=set)
     kv_connector_worker_meta: Any = None
+    failed_recving: set[str] = field(default_factory=set)  # async loads that failed: recompute the request
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.kv_connector_stats
-                    or self.invalid_block_ids or self.kv_connector_worker_meta)
+                    or self.invalid_block_ids or self.kv_connector_worker_meta or self.failed_recving)
 
 
 def _new_engine_id() -> str:

@@ -67,7 +67,7 @@ class WorkerHalf:
         self._kv = EngineKV(kcc, identity=identity, chunk_size=chunk_size, layout=layout)
         self._counters = WorkerCounters()
         self._report = ReportBox()
-        self._loads = LoadPath(self._kv, store, loop, self._counters)
+        self._loads = LoadPath(self._kv, store, loop, self._counters, self._report)
         self._saves = SavePath(self._kv, store, loop, self._counters, self._report, max_backlog)
         self._queue = self._saves.queue
 
@@ -201,6 +201,11 @@ class WorkerHalf:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._loads.take_errors()
+
+    def get_failed_recving(self) -> set[str]:
+        """Requests whose asynchronous load failed as a whole (several KV-cache groups), since the last call; they
+        are in ``get_finished``'s receives too, and the engine recomputes them."""
+        return self._loads.take_failed_requests()
 
     def totals(self) -> dict[str, float]:
         """The snapshot of every counter of this worker since it started (``stats`` hands out the counts since its

@@ -8,7 +8,7 @@ Per step (vLLM's ``KVConnectorModelRunnerMixin`` order):
     bind_connector_metadata(metadata) -> start_load_kv(forward_context)
     per attention layer: wait_for_layer_load(name) -> write K/V + attention -> save_kv_layer(name, kv, metadata)
     wait_for_save()                         only when there was a forward pass
-    get_finished(finished_req_ids) -> get_block_ids_with_load_errors() -> get_kv_connector_stats()
+    get_transfer_results(finished_req_ids) -> get_block_ids_with_load_errors() -> get_kv_connector_stats()
     -> build_connector_worker_meta()
     clear_connector_metadata()
 """
@@ -116,13 +116,15 @@ class ModelRunner:
 
     @staticmethod
     def _connector_output(conn: KVConnectorBase, finished_req_ids: set[str]) -> KVConnectorOutput:
-        sending, recving = conn.get_finished(finished_req_ids)
+        results = conn.get_transfer_results(finished_req_ids)
         invalid = conn.get_block_ids_with_load_errors()
         stats = conn.get_kv_connector_stats()
         meta = conn.build_connector_worker_meta()
         conn.clear_connector_metadata()
-        return KVConnectorOutput(finished_sending=sending, finished_recving=recving, kv_connector_stats=stats,
-                                 invalid_block_ids=set(invalid), kv_connector_worker_meta=meta)
+        return KVConnectorOutput(finished_sending=results.finished_sending or None,
+                                 finished_recving=results.finished_recving or None, kv_connector_stats=stats,
+                                 invalid_block_ids=set(invalid), kv_connector_worker_meta=meta,
+                                 failed_recving=set(results.failed_recving))
 
     def _carry_states(self, out: SchedulerOutput) -> None:
         """Copy each request's state from the slot it ran in last step into this step's running slot, when they

@@ -288,6 +288,8 @@ class Scheduler:
         if self.connector is not None and kco is not None:
             self.connector.update_connector_output(kco)
         failed = self._handle_invalid_blocks(kco.invalid_block_ids) if kco is not None else set()
+        if kco is not None:
+            self._handle_failed_recving(kco.failed_recving)
         finished: list[EngineRequest] = []
         for req_id in out.num_scheduled_tokens:
             req = self.requests.get(req_id)
@@ -332,6 +334,14 @@ class Scheduler:
                 req.num_computed_tokens = first
                 affected.add(req.request_id)
         return affected
+
+    def _handle_failed_recving(self, failed: set[str]) -> None:
+        """Requests whose asynchronous load failed as a whole (vLLM's ``failed_recving``): recompute from 0."""
+        for req_id in failed:
+            req = self.requests.get(req_id)
+            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                req.num_load_failures += 1
+                req.pending_external = 0
 
     def _first_failed_token(self, req_id: str, invalid: set[int]) -> int | None:
         first = None

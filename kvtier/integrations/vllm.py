@@ -155,6 +155,14 @@ class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # 
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """kvtier's results as vLLM's type; with several KV-cache groups a failed load is reported per request
+        (``failed_recving``): vLLM refuses block-level errors for such models."""
+        results = TieredConnector.get_transfer_results(self, finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=results.finished_sending,
+                                          finished_recving=results.finished_recving,
+                                          failed_recving=results.failed_recving)
+
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
         """kvtier's hit split by where it comes from (``vllm:prompt_tokens_cached_by_source``): memory tiers are
         host, disk is disk, Redis is external."""

@@ -5,6 +5,7 @@ order with pickled metadata and outputs."""
 from __future__ import annotations
 
 import pickle
+import time
 from pathlib import Path
 
 import torch
@@ -41,9 +42,10 @@ def step(sched: TieredConnector, work: TieredConnector, out: SchedulerOutput) ->
     work.bind_connector_metadata(meta)
     work.start_load_kv(None)
     work.wait_for_save()
-    sending, recving = work.get_finished(out.finished_req_ids)
-    result = KVConnectorOutput(sending, recving, work.get_kv_connector_stats(), work.get_block_ids_with_load_errors(),
-                               work.build_connector_worker_meta())
+    results = work.get_transfer_results(out.finished_req_ids)
+    result = KVConnectorOutput(results.finished_sending or None, results.finished_recving or None,
+                               work.get_kv_connector_stats(), work.get_block_ids_with_load_errors(),
+                               work.build_connector_worker_meta(), failed_recving=results.failed_recving)
     work.clear_connector_metadata()
     result = pickle.loads(pickle.dumps(result))
     if not result.is_empty():
@@ -62,3 +64,17 @@ def assert_loaded(kv_a: dict[str, torch.Tensor], kv_b: dict[str, torch.Tensor], 
         assert torch.equal(kv_b[name][:, B_BLOCKS[0][:hit_blocks]], kv_a[name][:, A_BLOCKS[0][:hit_blocks]])
     for name in swa.layer_names:  # only the window before the hit point
         assert torch.equal(kv_b[name][:, B_BLOCKS[1][6:hit_blocks]], kv_a[name][:, A_BLOCKS[1][6:hit_blocks]])
+
+
+def receive(sched: TieredConnector, work: TieredConnector, req_id: str) -> dict[str, float]:
+    """Empty steps until ``req_id``'s asynchronous load is reported done; the load counters of those steps."""
+    counts: dict[str, float] = {}
+    for _ in range(500):
+        out = step(sched, work, SchedulerOutput())
+        assert not out.invalid_block_ids and not out.failed_recving
+        for key, value in (out.kv_connector_stats.data if out.kv_connector_stats else {}).items():
+            counts[key] = counts.get(key, 0) + value
+        if req_id in (out.finished_recving or set()):
+            return counts
+        time.sleep(0.01)
+    raise AssertionError(f"the load of {req_id} never finished")

@@ -43,7 +43,8 @@ def test_hybrid_hit_is_the_largest_point_every_group_accepts(harness: Build) -> 
     h.place(TOKENS, 1, [3])
     assert h.conn.get_num_new_matched_tokens(Request("a", TOKENS), 0) == (0, False)
     h.place(TOKENS, 1, [1])
-    assert h.conn.get_num_new_matched_tokens(Request("b", TOKENS), 0) == (2 * C, False)
+    # several groups: the load is asynchronous even from memory (vLLM takes a failed load only per request then)
+    assert h.conn.get_num_new_matched_tokens(Request("b", TOKENS), 0) == (2 * C, True)
 
 
 def test_never_the_whole_prompt_and_beyond_local_hits(harness: Build) -> None:

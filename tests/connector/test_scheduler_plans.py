@@ -18,7 +18,7 @@ def test_load_plan_fills_every_group_and_skips_null_and_local_blocks(harness: Bu
     h.place(TOKENS, 0, [0, 1, 2, 3])
     h.place(TOKENS, 1, [2, 3])
     req = Request("r", TOKENS)
-    assert h.conn.get_num_new_matched_tokens(req, 4) == (4 * C - 4, False)
+    assert h.conn.get_num_new_matched_tokens(req, 4) == (4 * C - 4, True)  # two groups: asynchronous
     full_ids = list(range(1, 10))
     swa_ids = [0, 0, 0, 0, 0, 0, 0, 31, 32]  # out-of-window blocks are the null block
     blocks = (full_ids, swa_ids)

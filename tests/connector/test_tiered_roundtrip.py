@@ -23,6 +23,7 @@ from roundtrip_helpers import (
     cfg_for,
     new_req,
     paged,
+    receive,
     step,
 )
 
@@ -47,7 +48,9 @@ def save_request_a(sched: TieredConnector, work: TieredConnector) -> None:
     assert out.finished_sending == {"A"}
 
 
-def test_roundtrip_from_memory_tier_is_synchronous(tmp_path: Path) -> None:
+def test_roundtrip_from_a_memory_tier(tmp_path: Path) -> None:
+    """Two KV-cache groups: the load is asynchronous even from memory (vLLM takes a failed load of such a model
+    only per request, kvtier.connector.loads)."""
     cfg = cfg_for(tmp_path)
     sched = TieredConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
     work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
@@ -56,12 +59,11 @@ def test_roundtrip_from_memory_tier_is_synchronous(tmp_path: Path) -> None:
         work.register_kv_caches(kv)
         save_request_a(sched, work)
         b = Request("B", B_TOKENS)
-        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, False)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)
         sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 4 * C)
         null_before = {n: t[:, 0].clone() for n, t in kv.items()}
-        out = step(sched, work, new_req(b, B_BLOCKS, 4 * C))
-        assert not out.invalid_block_ids
-        assert out.kv_connector_stats.data["hits_cpu"] == 4 + 1  # 4 full-attention chunks + 1 window chunk
+        counts = receive(sched, work, "B")
+        assert counts["hits_cpu"] == 4 + 1  # 4 full-attention chunks + 1 window chunk
         assert_loaded(kv, kv, 8)
         assert all(torch.equal(kv[n][:, 0], null_before[n]) for n in kv)
     finally:
@@ -116,9 +118,9 @@ def test_shared_store_in_one_process(tmp_path: Path) -> None:
         work.register_kv_caches(kv)
         save_request_a(sched, work)
         b = Request("B", B_TOKENS)
-        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, False)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)
         sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 4 * C)
-        step(sched, work, new_req(b, B_BLOCKS, 4 * C))
+        receive(sched, work, "B")
         assert_loaded(kv, kv, 8)
     finally:
         sched.shutdown()

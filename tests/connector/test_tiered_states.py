@@ -120,3 +120,38 @@ def test_a_state_saved_by_one_engine_serves_a_new_one(tmp_path: Path) -> None:
     finally:
         sched.shutdown()
         work.shutdown()
+
+
+def test_a_failed_load_of_a_hybrid_is_reported_per_request_never_as_blocks(tmp_path: Path) -> None:
+    """vLLM refuses block-level load errors for a model with several KV-cache groups (block ids are unique only
+    within a group: it raises). A record that cannot be read fails B's whole load instead: B is reported in
+    ``failed_recving`` (and finished), no block ids, and the scheduler forgets the chunk that failed."""
+    from kvtier.connector.keying import identity_from, namespaces, request_keys
+    from kvtier.tiers.disk.index import Layout
+
+    cfg = cfg_for(tmp_path, ("disk",))
+    sched = TieredConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
+    work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
+    try:
+        kv = caches(seed=4)
+        work.register_kv_caches(kv)
+        save_a(sched, work)
+        state_key = request_keys(namespaces(identity_from(cfg), KCC, C), B.prompt_token_ids, C, b"")[1][3]
+        path = Path(Layout(str(tmp_path), 2).path(state_key))
+        path.write_bytes(path.read_bytes()[:-1] + b"\0")  # one byte of the state record changed: corrupt
+        before = {n: t.clone() for n, t in kv.items()}
+        assert sched.get_num_new_matched_tokens(B, 0) == (4 * C, True)
+        sched.update_state_after_alloc(B, KVCacheBlocks(B_BLOCKS), 4 * C)
+        outs = []
+        for _ in range(500):
+            outs.append(step(sched, work, SchedulerOutput()))
+            if "B" in (outs[-1].finished_recving or set()):
+                break
+            time.sleep(0.01)
+        assert outs[-1].failed_recving == {"B"} and all(not o.invalid_block_ids for o in outs)
+        assert torch.equal(kv["m0"][50], before["m0"][50])  # nothing of the corrupt record was written
+        assert not sched._sched().directory.contains("disk", state_key)  # forgotten: B's retry misses it
+        assert sched.get_num_new_matched_tokens(Request("B2", B.prompt_token_ids), 0) == (0, False)
+    finally:
+        sched.shutdown()
+        work.shutdown()

@@ -104,3 +104,34 @@ def test_without_prefix_caching_no_state_is_kept_and_kvtier_serves_without_hits(
     out = second["phases"][0][0]
     assert_uncached(out, prompts()["A2"])
     assert same_output(out, references("qwen3_next", prefix=False)["A2"])
+
+
+def test_a_corrupt_record_of_a_hybrid_is_recomputed_not_a_crash(
+        run_engine: EngineRunner, models: Callable[[str], tuple[str, str]],
+        references: Callable[..., dict[str, Any]], workdir: Path) -> None:
+    """vLLM raises on block-level load errors for a model with several KV-cache groups; kvtier reports the failed
+    load per request (``failed_recving``): one corrupted byte in A's attention record, and the new engine
+    recomputes A2 whole, with the uncached output, and keeps serving."""
+    from kvtier.keys import chunk_keys
+    from kvtier.tiers.disk.index import Layout
+
+    kv = workdir / "kv"
+    model, dtype = models("qwen3_next")
+    p = prompts()
+    spec = {"model": model, "dtype": dtype, "connector": "kvtier", "kvtier_config": disk_config(workdir, CHUNK),
+            "prefix_caching": True}
+    run_engine({**spec, "phases": [[p["A"]]]})
+    layout = Layout(str(kv), 2)
+    records = [Path(layout.path(chunk_keys(bytes.fromhex(d.name), p["A"], CHUNK)[0]))
+               for d in kv.iterdir() if d.is_dir() and len(d.name) == 32]
+    assert len(records) == 4 and all(r.exists() for r in records)
+    for record in records:  # every group's record: whichever the engine reads first fails the request's load
+        data = bytearray(record.read_bytes())
+        data[-1] ^= 0xFF
+        record.write_bytes(bytes(data))
+    second = run_engine({**spec, "phases": [[p["A2"]], [p["B"]]]})
+    out = second["phases"][0][0]
+    assert out["computed"] == len(p["A2"]), out  # recomputed whole after the failed load
+    assert second["kvtier"]["load_failures"] >= 1 and second["kvtier"].get("hits_disk", 0) == 0
+    assert same_output(out, references("qwen3_next", prefix=False, cache_on=True)["A2"])
+    assert same_output(second["phases"][1][0], references("qwen3_next", prefix=False, cache_on=True)["B"])

@@ -193,7 +193,7 @@ def test_second_request_loads_the_first_ones_chunks_in_every_group(tier: str, la
         loads = [spec for meta in engine.metadata for spec in meta.loads if spec.req_id == "r2"]
         assert {spec.group for spec in loads} == {0, 1}
         assert {spec.group: [b for (b,) in spec.block_ids] for spec in loads} == loaded
-        assert all(spec.is_async == (tier == "disk") for spec in loads)
+        assert all(spec.is_async for spec in loads)  # two groups: vLLM takes a failed load only per request
         assert not engine.scheduler.requests
         pool = engine.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == kcc.num_blocks - 1  # no leaked blocks

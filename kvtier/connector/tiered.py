@@ -80,7 +80,10 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
             raise ConnectorError(f"kvtier does not support pipeline parallelism (pipeline_parallel_size="
                                  f"{engine.pipeline_size}); run with pipeline_parallel_size 1 (tensor parallelism "
                                  "is supported)")
-        kcc = from_vllm(kv_cache_config) if kv_cache_config is not None else None
+        # the layout the engine core resolved, converted once for both halves (kvtier.layout.from_vllm); a kvtier
+        # layout (the reference engine's) is taken as it is
+        own = isinstance(kv_cache_config, KVCacheConfig)
+        kcc = from_vllm(kv_cache_config, None if own else engine) if kv_cache_config is not None else None
         # as the operator wrote it: each role applies pool slots and rank-local paths when it opens the tiers
         cfg = kvtier_config if kvtier_config is not None else config_from_engine(engine)
         self.kvtier_config = cfg

@@ -68,7 +68,6 @@ from kvtier.connector.multi import MultiConnector, MultiConnectorStats, required
 from kvtier.connector.report import ChildReports, WorkerReport
 from kvtier.connector.tiered import TieredConnector
 from kvtier.errors import ConnectorError
-from kvtier.layout import from_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +139,7 @@ class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         prefer_recompute(vllm_config)
-        # the layout the engine core resolved, converted once for both halves (kvtier.layout.from_vllm)
-        engine = settings.read_settings(vllm_config)
-        layout = from_vllm(kv_cache_config, engine) if kv_cache_config is not None else None
-        TieredConnector.__init__(self, vllm_config, role, layout)
-        self._kv_cache_config = kv_cache_config  # vLLM's own: its base class's defaults read it
+        TieredConnector.__init__(self, vllm_config, role, kv_cache_config)
 
     def _worker_tp_rank(self) -> int | None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
@@ -158,10 +153,7 @@ class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """kvtier's results as vLLM's type; with several KV-cache groups a failed load is reported per request
         (``failed_recving``): vLLM refuses block-level errors for such models."""
-        results = TieredConnector.get_transfer_results(self, finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=results.finished_sending,
-                                          finished_recving=results.finished_recving,
-                                          failed_recving=results.failed_recving)
+        return _vllm_results(TieredConnector.get_transfer_results(self, finished_req_ids))
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
         """kvtier's hit split by where it comes from (``vllm:prompt_tokens_cached_by_source``): memory tiers are
@@ -228,13 +220,7 @@ class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):
         return child.get_external_cache_hit_sources(request, num_external_tokens)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        results = KVConnectorTransferResults()
-        for child in self.sub_connectors:
-            child_results = child.get_transfer_results(finished_req_ids)
-            results.finished_recving |= child_results.finished_recving
-            results.failed_recving |= child_results.failed_recving
-            results.finished_sending |= self.count_finished_sending(child_results.finished_sending)
-        return results
+        return _vllm_results(MultiConnector.get_transfer_results(self, finished_req_ids))
 
     def has_pending_block_frees(self) -> bool:
         return any(self.call_children("has_pending_block_frees"))
@@ -286,6 +272,13 @@ class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return KVTierMultiStats(data={name: _rebuild_stats(name, value)
                                       for name, value in (data or {}).items() if value is not None})
+
+
+def _vllm_results(results: kvbase.KVConnectorTransferResults) -> Any:
+    """kvtier's transfer results as vLLM's ``KVConnectorTransferResults``."""
+    return KVConnectorTransferResults(finished_sending=results.finished_sending,
+                                      finished_recving=results.finished_recving,
+                                      failed_recving=results.failed_recving)
 
 
 def _rebuild_stats(name: str, value: Any) -> Any:

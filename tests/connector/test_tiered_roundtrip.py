@@ -89,15 +89,7 @@ def test_roundtrip_after_restart_loads_asynchronously_from_disk(tmp_path: Path) 
         b = Request("B", B_TOKENS)
         assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)
         sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 4 * C)
-        received: set[str] = set()
-        for _ in range(500):
-            out = step(sched, work, SchedulerOutput())
-            assert not out.invalid_block_ids
-            received |= out.finished_recving or set()
-            if received:
-                break
-            time.sleep(0.01)
-        assert received == {"B"}
+        receive(sched, work, "B")
         sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 0)  # second call: no-op
         step(sched, work, new_req(b, B_BLOCKS, 4 * C))
         assert_loaded(kv_a, kv_b, 8)

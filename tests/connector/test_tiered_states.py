@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from roundtrip_helpers import C, cfg_for, step
+from roundtrip_helpers import C, cfg_for, receive, step
 
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.tiered import TieredConnector
@@ -55,18 +55,7 @@ def save_a(sched: TieredConnector, work: TieredConnector) -> None:
 def load_b(sched: TieredConnector, work: TieredConnector) -> None:
     assert sched.get_num_new_matched_tokens(B, 0) == (4 * C, True)  # a state always loads asynchronously
     sched.update_state_after_alloc(B, KVCacheBlocks(B_BLOCKS), 4 * C)
-    received: set[str] = set()
-    loaded: dict[str, float] = {}
-    for _ in range(500):
-        out = step(sched, work, SchedulerOutput())
-        assert not out.invalid_block_ids
-        for key, value in (out.kv_connector_stats.data if out.kv_connector_stats else {}).items():
-            loaded[key] = loaded.get(key, 0) + value
-        received |= out.finished_recving or set()
-        if received:
-            break
-        time.sleep(0.01)
-    assert received == {"B"}
+    loaded = receive(sched, work, "B")
     # four attention chunks and one state chunk (both layers' states at the hit point, in one record)
     assert (loaded.get("load_chunks_group0"), loaded.get("load_chunks_group1")) == (4, 1), loaded
 

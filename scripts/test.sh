@@ -3,14 +3,50 @@
 # end-to-end tests in vLLM's CPU engine (tests/e2e, in .venv-e2e).
 # Usage: bash scripts/test.sh [extra pytest args]     (KVTIER_FULL=1 also runs the slow tests;
 #                                                      KVTIER_SKIP_E2E=1 leaves out the end-to-end tests)
+#        bash scripts/test.sh --check                 (only check the set-up: what is missing, and the fix)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-[ -x "$PY" ] || { echo "run 'bash scripts/bootstrap.sh --vllm --e2e' first" >&2; exit 2; }
 E2E=0
 [ "${KVTIER_SKIP_E2E:-0}" = 1 ] || E2E=1
-if [ "$E2E" = 1 ] && [ ! -x .venv-e2e/bin/python ]; then
-  echo "run 'bash scripts/bootstrap.sh --vllm --e2e' first (or KVTIER_SKIP_E2E=1)" >&2; exit 2
+
+# Everything the tests need, checked before any of them runs: one line per missing thing, with its fix.
+check_setup() {
+  local missing
+  if [ ! -x "$PY" ]; then
+    echo "test.sh: error: no .venv: run 'bash scripts/bootstrap.sh --vllm --e2e' first" >&2; return 2
+  fi
+  missing=$("$PY" -c '
+import importlib, importlib.util
+out = []
+for name in ("pytest", "ruff", "mypy", "torch", "redis", "vllm"):
+    if importlib.util.find_spec(name) is None:
+        out.append(name)
+        continue
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # installed without its dependencies (vLLM from a bootstrap without the lock)
+        out.append(f"{name} (fails to import: {exc})")
+print(", ".join(out))' 2>/dev/null) || missing="a working python (.venv/bin/python fails to start)"
+  if [ -n "$missing" ]; then
+    echo "test.sh: error: .venv lacks $missing: run 'bash scripts/bootstrap.sh --vllm' (vLLM needs ../shared/reference/vllm-0.33-cpu-deps.lock.txt)" >&2
+    return 2
+  fi
+  if [ "$E2E" = 1 ] && [ ! -x .venv-e2e/bin/python ]; then
+    echo "test.sh: error: no .venv-e2e for tests/e2e: run 'bash scripts/bootstrap.sh --vllm --e2e' (or KVTIER_SKIP_E2E=1)" >&2
+    return 2
+  fi
+  if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    echo "test.sh: warning: redis-server / redis-cli not on PATH: the Redis tests will skip (apt-get install redis-server)" >&2
+  fi
+  return 0
+}
+
+status=0
+check_setup || status=$?
+[ "$status" = 0 ] || exit "$status"
+if [ "${1:-}" = --check ]; then
+  echo "test.sh: set-up complete"; exit 0
 fi
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 echo "== ruff";  .venv/bin/ruff check kvtier tests benchmarks

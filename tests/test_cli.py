@@ -132,7 +132,7 @@ def test_main_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_main_subcommand_not_available(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(cli.SUBCOMMANDS, "ghost", "kvtier.no_such_module")
+    monkeypatch.setitem(cli.SUBCOMMANDS, "ghost", cli.Subcommand("kvtier.no_such_module", "a ghost"))
     assert cli.main(["ghost"]) == 2
     assert "subcommand 'ghost' is not available" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0
@@ -141,7 +141,7 @@ def test_main_subcommand_not_available(monkeypatch: pytest.MonkeyPatch, capsys: 
 
 
 def test_main_imports_only_the_chosen_subcommand(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setitem(cli.SUBCOMMANDS, "ghost", "kvtier.no_such_module")
+    monkeypatch.setitem(cli.SUBCOMMANDS, "ghost", cli.Subcommand("kvtier.no_such_module", "a ghost"))
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
     assert cli.main(["check", str(ROOT / "configs" / "cpu.yaml"), "--no-env"]) == 0  # ghost never imported
 

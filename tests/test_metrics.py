@@ -50,9 +50,11 @@ def test_the_worker_snapshot_keeps_the_names_engines_and_benchmarks_read() -> No
     counters.saved(4, 400, 0.5)
     counters.disabled()
     numbers = snapshot(counters.take())
-    assert set(numbers) == WORKER_KEYS | {"hits_cpu", "hits_disk", "load_chunks_group1"}
+    assert set(numbers) == WORKER_KEYS | {"hits_cpu", "hits_disk", "load_chunks_group1", "loaded:cpu:1",
+                                          "loaded:disk:1"}
     assert nonzero(numbers) == {"load_chunks": 3, "load_bytes": 300, "hits_cpu": 2, "hits_disk": 1,
-                                "load_chunks_group1": 3, "load_failures": 2, "load_scatter_failures": 2,
+                                "load_chunks_group1": 3, "loaded:cpu:1": 2, "loaded:disk:1": 1,
+                                "load_failures": 2, "load_scatter_failures": 2,
                                 "save_chunks": 4, "save_bytes": 400, "save_seconds": 0.5, "save_calls": 1,
                                 "kvtier_disabled": 1}
     assert all(isinstance(v, int | float) for v in numbers.values())
@@ -182,8 +184,14 @@ def test_the_worker_half_counts_each_load_and_save_once() -> None:
         worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", KEYS[:2], LOADED[:2])]))
         assert worker.get_block_ids_with_load_errors() == set()
         loaded = worker.stats()
-        assert loaded is not None and set(loaded.data) == {"load_chunks", "load_bytes", "hits_cpu",
-                                                           "load_chunks_group0", "load_seconds", "load_calls"}
+        assert loaded is not None
+        worker_keys = {k for k in loaded.data if not k.startswith(("tier_", "gauge:", "samples:", "loaded"))}
+        assert worker_keys == {"load_chunks", "load_bytes", "hits_cpu", "load_chunks_group0", "load_seconds",
+                               "load_calls"}
+        # this step's tier reads and hits by tier and group, for kvtier.prometheus; no level changed
+        assert (loaded.data["tier_cpu_get_hits"], loaded.data["loaded:cpu:0"]) == (2, 2)
+        assert loaded.data["loaded_tokens:cpu:0"] == 2 * worker._counters.chunk_size
+        assert len(loaded.data["samples:load_seconds"]) == 1 and not any(k.startswith("gauge:") for k in loaded.data)
         assert (loaded.data["load_chunks"], loaded.data["hits_cpu"], loaded.data["load_calls"]) == (2, 2, 1)
         assert tier.stats().get_hits == 2  # the tier counts its own reads (borrowed views), once
         totals = worker.totals()
@@ -193,3 +201,28 @@ def test_the_worker_half_counts_each_load_and_save_once() -> None:
         worker.close()
         loop.run(store.close())
         loop.close()
+
+
+def test_hit_tokens_and_latency_samples_are_kept_per_step_and_bounded() -> None:
+    from kvtier.metrics import SAMPLES_PER_SPAN, hit_tokens
+
+    counters = WorkerCounters(chunk_size=32)
+    counters.loaded(0, {"cpu": 3}, 300)
+    for _ in range(SAMPLES_PER_SPAN + 5):
+        counters.load_timed(0.001)
+    counters.saved(1, 10, 0.25)
+    step = counters.take()
+    assert hit_tokens(step, counters.chunk_size) == {"loaded_tokens:cpu:0": 96}
+    assert len(step.load_samples) == SAMPLES_PER_SPAN and step.save_samples == [0.25]
+    assert counters.take().load_samples == [] and counters.totals().load_samples == []  # totals keep no samples
+
+
+def test_deltas_report_counts_as_differences_and_levels_when_they_change() -> None:
+    from kvtier.metrics import Deltas
+
+    deltas = Deltas()
+    first = {"tier_cpu_puts": 2, "gauge:used_bytes:cpu:0": 100, "tier_redis_breaker_state": 0}
+    assert deltas.take(first) == {"tier_cpu_puts": 2, "gauge:used_bytes:cpu:0": 100, "tier_redis_breaker_state": 0}
+    assert deltas.take(first) == {}
+    assert deltas.take({**first, "tier_cpu_puts": 5, "tier_redis_breaker_state": 2}) == {
+        "tier_cpu_puts": 3, "tier_redis_breaker_state": 2}

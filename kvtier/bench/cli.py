@@ -1,8 +1,8 @@
-"""Benchmarks: ``kvtier bench <name> [options]``; ``kvtier bench <name> --help`` for each one's options.
+"""Benchmarks: kvtier bench NAME [options]; kvtier bench NAME --help for each one's options.
 
-Each benchmark is a module with ``add_arguments(parser)`` and ``run(args) -> int``, imported only when
-chosen (the bandwidth and TTFT ones import torch; the hit-rate replay needs nothing heavy). A benchmark
-whose module is missing is reported as unavailable; the others keep working.
+Results go to ./benchmarks/results (or --out DIR) as JSON, with a chart where the benchmark draws one; the run
+ends with a line naming the files. The vllm benchmarks need vLLM's CPU build: run them with
+.venv-e2e/bin/python -m kvtier bench ... (made by bash scripts/bootstrap.sh --vllm --e2e).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from kvtier.cli import KvtierParser
 
 HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-replay, fingerprint"
 
@@ -26,6 +28,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                     "its prefix cache alone vs + kvtier"),
     "fingerprint": ("kvtier.bench.fingerprint", "start-up cost of the weights fingerprint beside a plain read"),
 }
+NEEDS_VLLM_CPU = ("vllm", "vllm-overhead", "vllm-replay")  # they start vLLM's CPU engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,14 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
-    """The argument parser of benchmark ``name`` and its module; ``ImportError`` when it is unavailable."""
+    """The argument parser of benchmark name and its run function; ImportError when it is unavailable."""
     module_path, text = BENCHMARKS[name]
     module = importlib.import_module(module_path)
     add, run_fn = getattr(module, "add_arguments", None), getattr(module, "run", None)
     if not (callable(add) and callable(run_fn)):
         raise ImportError(f"{module_path} defines no add_arguments(parser) / run(args)")
-    parser = argparse.ArgumentParser(prog=f"kvtier bench {name}", description=module.__doc__ or text,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = KvtierParser(prog=f"kvtier bench {name}", description=module.__doc__ or text,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     add(parser)
     return parser, run_fn
 
@@ -59,4 +62,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier: error: benchmark {args.benchmark!r} is not available ({exc})", file=sys.stderr)
         return 2
     bench_args = parser.parse_args(args.bench_args)
+    if args.benchmark in NEEDS_VLLM_CPU:
+        from kvtier.bench.vllm_proc import cpu_build_error
+
+        error = cpu_build_error(args.benchmark)
+        if error is not None:
+            print(f"kvtier: error: {error}", file=sys.stderr)
+            return 2
+    from kvtier.bench.output import check_writable
+
+    check_writable(bench_args)
     return int(run_fn(bench_args))  # type: ignore[operator]

@@ -18,7 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.args import existing_path, positive_float, positive_int
 from kvtier.bench.measure import Spread, drop_page_cache, save_results
+from kvtier.bench.output import add_output_arguments
+from kvtier.errors import KvtierError
 from kvtier.fingerprint import READ_BYTES, weight_files, weights_id
 
 HELP = "start-up cost of the weights fingerprint (stat, content hash) beside a plain read"
@@ -60,6 +63,8 @@ def _spread(fn: Callable[[], object], repeats: int, before: Callable[[], object]
 
 def measure(model: str, repeats: int) -> dict[str, Any]:
     files = weight_files(model)
+    if not files or not sum(os.path.getsize(f) for f in files):
+        raise KvtierError(f"no weights to read in {model} (pass --model with a checkpoint directory)")
     total = sum(os.path.getsize(f) for f in files)
     runs: dict[str, tuple[Callable[[], object], Callable[[], object] | None]] = {
         "stat": (lambda: weights_id(model, mode="stat"), None),
@@ -93,12 +98,13 @@ def table(result: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="a checkpoint directory to measure (default: one made here)")
-    parser.add_argument("--gib", type=float, default=2.0, help="size of the checkpoint made here (GiB)")
-    parser.add_argument("--shards", type=int, default=4, help="files of the checkpoint made here")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", type=existing_path,
+                        help="a checkpoint directory (or weights file) to measure (default: one made here)")
+    parser.add_argument("--gib", type=positive_float, default=2.0, help="size of the checkpoint made here (GiB)")
+    parser.add_argument("--shards", type=positive_int, default=4, help="files of the checkpoint made here")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each mode")
     parser.add_argument("--quick", action="store_true", help="32 MiB, 2 repeats (results *-quick)")
-    parser.add_argument("--json", type=Path, help="result file (default benchmarks/results/fingerprint.json)")
+    add_output_arguments(parser, "fingerprint", chart=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,26 +12,26 @@ at a fraction of memory speed):
   executor down before the next (a live executor thread that ran torch ops keeps an OpenMP team, and
   OpenMP then stops spin-waiting when threads outnumber cores, slowing every later small parallel op).
 
-The machine description (:func:`machine_info`) and JSON writing (:func:`write_json`) are here too, so every
-result file says where it was measured. (A throw-away ``redis-server``: ``kvtier.bench.redis_servers``.)
+Where results go and how they are written (with the machine they were measured on): kvtier.bench.output,
+re-exported here. (A throw-away redis-server: kvtier.bench.redis_servers.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import hashlib
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-RESULTS_DIR = Path("benchmarks") / "results"
+from kvtier.bench.output import RESULTS_DIR, machine_info, save_results, write_json
+
+__all__ = ["RESULTS_DIR", "Spread", "chunk_views", "copy_all", "drop_page_cache", "format_size", "gbps",
+           "interleave", "machine_info", "make_keys", "paired_ratio", "pretouch", "same_bytes", "save_results",
+           "timed", "touched", "write_json"]
 
 
 @dataclass(frozen=True)
@@ -124,46 +124,20 @@ def drop_page_cache(paths: Sequence[str | os.PathLike[str]]) -> None:
             os.close(fd)
 
 
-def machine_info() -> dict[str, Any]:
-    """Where a result was measured: CPU, cores, memory, torch, device."""
-    mem_total = 0
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/meminfo") as f:
-            mem_total = int(f.readline().split()[1]) * 1024
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {
-        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-        "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem_total, "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+def chunk_views(buf: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
+    """Split a flat ``uint8`` buffer into contiguous bf16 chunk payloads."""
+    return [buf[i:i + chunk_bytes].view(torch.bfloat16) for i in range(0, buf.numel(), chunk_bytes)]
 
 
-def write_json(path: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
-    """Write ``data`` as indented JSON (creating the directory); return the path."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    return out
+def make_keys(label: str, n: int) -> list[bytes]:
+    """``n`` distinct 32-byte keys for one case."""
+    return [hashlib.blake2b(f"{label}:{i}".encode(), digest_size=32).digest() for i in range(n)]
 
 
-def save_results(args: Any, benchmark: str, body: Mapping[str, Any],
-                 plot: Callable[[Path], Path | None] | None = None) -> Path:
-    """Write a benchmark's JSON (``args.json``, else ``benchmarks/results/<benchmark>[-quick].json``) with the
-    machine description, then its PNG beside it (``args.png`` overrides) unless ``args.no_plot``; print both."""
-    quick = bool(getattr(args, "quick", False))
-    name = f"{benchmark}-quick" if quick else benchmark
-    path = write_json(getattr(args, "json", None) or RESULTS_DIR / f"{name}.json",
-                      {"benchmark": benchmark, "quick": quick, "machine": machine_info(), **body})
-    print(f"wrote {path}")
-    if plot is not None and not getattr(args, "no_plot", False):
-        png = plot(Path(getattr(args, "png", None) or path.with_suffix(".png")))
-        if png is not None:
-            print(f"wrote {png}")
-    return path
+def copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """The raw limit of memory tiers: one plain ``copy_`` per chunk."""
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s)
 
 
 def format_size(nbytes: int) -> str:

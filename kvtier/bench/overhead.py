@@ -27,7 +27,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.args import positive_float, positive_int, positive_ints
 from kvtier.bench.measure import Spread, interleave, save_results
+from kvtier.bench.output import add_output_arguments
 
 HELP = "scheduler-side cost per request with no reuse (hashing + lookup), beside prefill time"
 CHUNK = 256
@@ -201,19 +203,21 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``kvtier bench overhead``."""
+    """Options of kvtier bench overhead."""
     parser.add_argument("--quick", action="store_true", help="two short prompt lengths, 2 repeats (CI smoke)")
-    parser.add_argument("--lengths", help="comma list of prompt lengths in tokens (default 1024,2048,4096,16384,65536)")
-    parser.add_argument("--repeats", type=int, help="repeats per figure (default 11)")
-    parser.add_argument("--gpu-prefill-tps", type=float, help="assumed GPU prefill rate, tokens/s (default 50000)")
-    parser.add_argument("--json", type=Path, help="result file (default benchmarks/results/overhead.json)")
+    parser.add_argument("--lengths", type=positive_ints,
+                        help="comma list of prompt lengths in tokens (default 1024,2048,4096,16384,65536)")
+    parser.add_argument("--repeats", type=positive_int, help="repeats per figure (default 11)")
+    parser.add_argument("--gpu-prefill-tps", type=positive_float,
+                        help="assumed GPU prefill rate, tokens/s (default 50000)")
+    add_output_arguments(parser, "overhead", chart=False)
 
 
 def run(args: argparse.Namespace) -> int:
     """Measure, print a table, write JSON."""
     s = QUICK if args.quick else Settings()
     if args.lengths:
-        s = replace(s, lengths=tuple(int(v) for v in args.lengths.split(",")))
+        s = replace(s, lengths=args.lengths)
     if args.repeats:
         s = replace(s, repeats=args.repeats)
     if args.gpu_prefill_tps:

@@ -30,10 +30,12 @@ import xxhash
 
 from kvtier.bench.measure import (
     Spread,
+    chunk_views,
     drop_page_cache,
     format_size,
     gbps,
     interleave,
+    make_keys,
     pretouch,
     same_bytes,
     timed,
@@ -79,7 +81,6 @@ def _unlink_all(paths: list[str]) -> None:
 
 def bench_disk(run: Runner, root: Path, chunk_bytes: int, fsync: bool) -> None:
     """Disk tier ``put`` / ``get`` (warm and cold) against plain file writes and reads."""
-    from kvtier.bench.throughput import chunk_views, make_keys
     from kvtier.config import DiskTierConfig
     from kvtier.tiers.disk.tier import DiskTier
 
@@ -211,7 +212,6 @@ def bench_redis(run: Runner, url: str, chunk_bytes: int) -> None:
     """Redis tier ``put`` / ``get`` against redis-py pipelined SET / GET of the same bytes."""
     import redis
 
-    from kvtier.bench.throughput import chunk_views, make_keys
     from kvtier.config import RedisTierConfig
     from kvtier.tiers.redis.tier import RedisTier
 

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from kvtier.bench.args import names_from, positive_int, positive_ints
 from kvtier.bench.measure import Spread, drop_page_cache, save_results
+from kvtier.bench.output import add_output_arguments
 from kvtier.bench.redis_servers import redis_server
 
 HELP = "time to first token on the reference engine: no cache vs hits from each tier"
@@ -220,27 +222,22 @@ def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> Path | No
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``kvtier bench ttft``."""
+    """Options of kvtier bench ttft."""
     parser.add_argument("--quick", action="store_true", help="tiny model, short prompts, 2 rounds (CI smoke)")
-    parser.add_argument("--lengths", help="comma list of prompt lengths (default 512,1024,2048)")
-    parser.add_argument("--modes", help=f"comma list of {', '.join(ALL_MODES)}")
-    parser.add_argument("--repeats", type=int, help="measured rounds (default 5)")
-    parser.add_argument("--chunk-size", type=int, help="kvtier chunk size in tokens (default 64)")
-    parser.add_argument("--json", type=Path, help="result file (default benchmarks/results/ttft.json)")
-    parser.add_argument("--png", type=Path, help="chart file (default beside the JSON)")
-    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    parser.add_argument("--lengths", type=positive_ints, help="comma list of prompt lengths (default 512,1024,2048)")
+    parser.add_argument("--modes", type=names_from(ALL_MODES), help=f"comma list of {', '.join(ALL_MODES)}")
+    parser.add_argument("--repeats", type=positive_int, help="measured rounds (default 5)")
+    parser.add_argument("--chunk-size", type=positive_int, help="kvtier chunk size in tokens (default 64)")
+    add_output_arguments(parser, "ttft")
 
 
 def run(args: argparse.Namespace) -> int:
     """Measure, print a table, write JSON (and PNG)."""
     s = QUICK if args.quick else Settings()
     if args.lengths:
-        s = replace(s, lengths=tuple(int(v) for v in args.lengths.split(",")))
+        s = replace(s, lengths=args.lengths)
     if args.modes:
-        modes = tuple(m.strip() for m in args.modes.split(","))
-        if set(modes) - set(ALL_MODES):
-            raise SystemExit(f"unknown modes: {', '.join(sorted(set(modes) - set(ALL_MODES)))}")
-        s = replace(s, modes=modes)
+        s = replace(s, modes=args.modes)
     if args.repeats:
         s = replace(s, repeats=args.repeats)
     if args.chunk_size:

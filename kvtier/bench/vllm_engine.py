@@ -32,6 +32,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.args import existing_path, positive_int
+from kvtier.bench.output import add_output_arguments
+
 HELP = "TTFT and throughput of vLLM's CPU engine: no cache, vLLM's prefix cache, kvtier from each tier"
 ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "vllm_offloading")
 SUFFIX = 16
@@ -41,22 +44,21 @@ HYBRID_CHUNK = 160  # vLLM's block size for the hybrid model in align mode (atte
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prefix lengths (tokens)")
-    parser.add_argument("--repeats", type=int, default=5, help="TTFT rounds per length and mode")
-    parser.add_argument("--batch", type=int, default=8, help="requests per throughput batch")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048], help="prefix lengths (tokens)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="TTFT rounds per length and mode")
+    parser.add_argument("--batch", type=positive_int, default=8, help="requests per throughput batch")
     parser.add_argument("--modes", nargs="+", default=list(ALL_MODES), choices=ALL_MODES)
-    parser.add_argument("--model", help="a local checkpoint directory (default: a random-weight Llama made here)")
-    parser.add_argument("--layers", type=int, default=8, help="layers of the model made here")
-    parser.add_argument("--hidden", type=int, default=512, help="width of the model made here")
+    parser.add_argument("--model", type=existing_path,
+                        help="a local checkpoint directory (default: a random-weight Llama made here)")
+    parser.add_argument("--layers", type=positive_int, default=8, help="layers of the model made here")
+    parser.add_argument("--hidden", type=positive_int, default=512, help="width of the model made here")
     parser.add_argument("--hybrid", action="store_true",
                         help="a random-weight Qwen3-Next (gated delta-net + attention, bf16) instead of the Llama: "
                              f"kvtier stores its recurrent state too, in chunks of {HYBRID_CHUNK} tokens (vLLM's "
                              "block for it); kvtier modes keep vLLM's prefix cache on (the state is kept per block "
                              "only then) and empty it before every request (results vllm_engine_hybrid)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
-    parser.add_argument("--json", help="result file (default benchmarks/results/vllm_engine.json)")
-    parser.add_argument("--png", help="plot file (default: beside the JSON)")
-    parser.add_argument("--no-plot", action="store_true")
+    add_output_arguments(parser, "vllm_engine")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
 
 

@@ -33,7 +33,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.args import existing_path, key_value, non_negative_float, positive_int
 from kvtier.bench.models import make_llama
+from kvtier.bench.output import add_output_arguments
 from kvtier.bench.vllm_proc import ENV, Engine, serve
 
 HELP = "cost of an active kvtier on requests that never hit, in vLLM's CPU engine (ratios to no connector)"
@@ -42,22 +44,24 @@ METRICS = ("ttft_s", "decode_s_per_token", "step_s", "hook_ms", "kvtier_thread_m
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--length", type=int, default=600, help="prompt tokens")
-    parser.add_argument("--output-tokens", type=int, default=48, help="tokens generated per request")
-    parser.add_argument("--rounds", type=int, default=10, help="measured rounds (after one warm-up round)")
-    parser.add_argument("--burst", type=int, default=3, help="requests per engine turn, back to back")
-    parser.add_argument("--chunk", type=int, default=32, help="kvtier chunk size (tokens)")
+    parser.add_argument("--length", type=positive_int, default=600, help="prompt tokens")
+    parser.add_argument("--output-tokens", type=positive_int, default=48, help="tokens generated per request")
+    parser.add_argument("--rounds", type=positive_int, default=10, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--burst", type=positive_int, default=3, help="requests per engine turn, back to back")
+    parser.add_argument("--chunk", type=positive_int, default=32, help="kvtier chunk size (tokens)")
     parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
-    parser.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--policy", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                         help="a kvtier policy setting for every kvtier mode (repeatable), e.g. store_threshold=2")
-    parser.add_argument("--settle", type=float, default=0.2, help="untimed pause after each engine's turn (s)")
-    parser.add_argument("--model", help="a local checkpoint directory (default: a random-weight Llama made here)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--settle", type=non_negative_float, default=0.2,
+                        help="untimed pause after each engine's turn (s)")
+    parser.add_argument("--model", type=existing_path,
+                        help="a local checkpoint directory (default: a random-weight Llama made here)")
+    parser.add_argument("--layers", type=positive_int, default=8, help="layers of the model made here")
+    parser.add_argument("--hidden", type=positive_int, default=512, help="width of the model made here")
+    parser.add_argument("--env", type=key_value, action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment for the engine processes (repeatable)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
-    parser.add_argument("--json", help="result file (default benchmarks/results/vllm_overhead.json)")
+    add_output_arguments(parser, "vllm_overhead", chart=False)
     parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
 
 

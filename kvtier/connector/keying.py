@@ -17,7 +17,8 @@ from kvtier.config import KvtierConfig
 from kvtier.connector.settings import EngineSettings
 from kvtier.fingerprint import fingerprint
 from kvtier.keys import DIGEST_BYTES, Key, Namespace, chunk_keys
-from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvtier.layout import UNSERVED, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvtier.manifest import manifest_of
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,12 @@ def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *
     """16-byte namespace digest of one group (for ``rank``, default the identity's rank). ``kv_layout`` and
     ``kv_packing`` (vLLM's resolved KV-cache layout and device type, when the engine has them) are part of it:
     records hold pages as they lie in that engine's memory."""
+    return group_space(ident, group, chunk_size, rank=rank, kv_layout=kv_layout, kv_packing=kv_packing).digest()
+
+
+def group_space(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *,
+                rank: int | None = None, kv_layout: str | None = None, kv_packing: str | None = None) -> Namespace:
+    """The ``Namespace`` of one group, whose digest ``group_namespace`` returns."""
     spec = group.kv_cache_spec
     described = spec.describe()
     if kv_layout is not None:
@@ -90,13 +97,27 @@ def group_namespace(ident: Identity, group: KVCacheGroupSpec, chunk_size: int, *
         tp_rank=ident.tp_rank if rank is None else rank, tp_size=ident.tp_size,
         chunk_size=chunk_size, tenant=ident.tenant,
     )
-    return ns.digest()
+    return ns
 
 
 def namespaces(ident: Identity, kcc: KVCacheConfig, chunk_size: int, *, rank: int | None = None) -> list[bytes]:
     """Namespace digest of every group of ``kcc``, in group order."""
     return [group_namespace(ident, g, chunk_size, rank=rank, kv_layout=kcc.kv_layout, kv_packing=kcc.kv_packing)
             for g in kcc.kv_cache_groups]
+
+
+def manifests(ident: Identity, kcc: KVCacheConfig, chunk_size: int, *,
+              rank: int | None = None) -> dict[bytes, dict[str, Any]]:
+    """Namespace digest -> manifest (kvtier.manifest) of every served group of ``kcc``: what ``Tier.describe``
+    takes."""
+    out: dict[bytes, dict[str, Any]] = {}
+    for g in kcc.kv_cache_groups:
+        if g.kind in UNSERVED:
+            continue
+        ns = group_space(ident, g, chunk_size, rank=rank, kv_layout=kcc.kv_layout, kv_packing=kcc.kv_packing)
+        digest = ns.digest()
+        out[digest] = manifest_of(ns, digest)
+    return out
 
 
 def request_extra(request: Any) -> bytes:

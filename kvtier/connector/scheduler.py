@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.config import KvtierConfig, TierKind
+from kvtier.connector.chunk_events import ChunkEvents
 from kvtier.connector.hits import GroupNeed, best_hit, hit_limit
 from kvtier.connector.inflight import InflightSaves
 from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
@@ -75,9 +76,9 @@ class SchedulerHalf:
         self._req_load_blocks: dict[str, list[int]] = {}
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
-        # while paused (a switch for benchmarks that time the same engine with and without kvtier's work):
-        # no lookups hit and no saves are planned
+        # paused (benchmarks time one engine with and without kvtier's work): no lookups hit, no saves planned
         self.paused = False
+        self.events: ChunkEvents | None = None  # set when the engine publishes KV events
         # a group kvtier does not serve (chunked-local, ...) makes every hit 0: saving the others is waste
         self._never_hits = any(g.kind in UNSERVED for g in kcc.kv_cache_groups) or blocker is not None
         self._several_groups = len(kcc.kv_cache_groups) > 1
@@ -342,6 +343,8 @@ class SchedulerHalf:
         spec = SaveSpec(req_id, g, tuple(keys[i] for i, _ in chosen), tuple(b for _, b in chosen), tuple(plans))
         meta.saves.append(spec)
         self._inflight.add(req_id, spec.stored_keys())
+        if self.events is not None:
+            self.events.note(self._requests[req_id].source, g, keys, [i for i, _ in chosen])
 
     def _reused(self, all_keys: Sequence[Sequence[Key]], chunk: int) -> bool:
         """Whether enough requests have asked for the chunk to save it (``policy.store_threshold``)."""
@@ -351,10 +354,8 @@ class SchedulerHalf:
 
     def _prepare(self, group: int, entries: list[tuple[Key, int, Key | None]]) -> list[StorePlan]:
         """Store plans of one group's chunks into its placement (kvtier.planner: the write policy)."""
-        return place(self.directory, self._placement[group], entries, self.cfg.policy.write, self._stored_size).plans
-
-    def _stored_size(self, tier: str, nbytes: int) -> int:
-        return self._tiers[tier].stored_size(nbytes)
+        return place(self.directory, self._placement[group], entries, self.cfg.policy.write,
+                     lambda tier, nbytes: self._tiers[tier].stored_size(nbytes)).plans
 
     # ---- worker feedback and request end ---------------------------------------------------------------
     def update_connector_output(self, output: Any) -> None:

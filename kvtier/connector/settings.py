@@ -32,6 +32,7 @@ class EngineSettings:
     kv_cache_layout: Any = None  # the cache config's KV-cache layout, if it names one (kvtier.layout.from_vllm)
     device_type: str | None = None  # where the KV cache lives ("cpu", "cuda"): how pages are packed
     mamba_cache_mode: str | None = None  # vLLM's recurrent-state caching ("align": a state every block)
+    kv_events: bool = False  # the engine publishes KV-cache events (vLLM's kv_events_config)
     source: Any = field(default=None, repr=False, compare=False)  # the engine's config, for model_facts
 
     def model_facts(self) -> ModelFacts | None:
@@ -59,6 +60,7 @@ def read_settings(vllm_config: Any) -> EngineSettings:
         kv_cache_layout=getattr(cache, "kv_cache_layout", None),
         mamba_cache_mode=_text(getattr(cache, "mamba_cache_mode", None)),
         device_type=str(device) if device else None,
+        kv_events=bool(getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)),
         source=vllm_config)
 
 

@@ -15,6 +15,7 @@ directory.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -29,13 +30,16 @@ from kvtier.connector.base import (
     SupportsHMA,
 )
 from kvtier.connector.capability import prefix_resume_blocker, state_blocker, weights_blocker
-from kvtier.connector.keying import identity_from, namespaces
+from kvtier.connector.chunk_events import ChunkEvents
+from kvtier.connector.keying import Identity, identity_from, manifests, namespaces
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.report import WorkerReport
 from kvtier.connector.scheduler import SchedulerHalf
 from kvtier.connector.settings import EngineSettings, layout_from_model, read_settings
+from kvtier.directory import Directory
 from kvtier.errors import ConnectorError
 from kvtier.layout import KVCacheConfig, from_vllm
+from kvtier.metrics import Deltas, snapshot
 from kvtier.runtime import LoopThread
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
@@ -61,6 +65,24 @@ def hmac_key(cfg: KvtierConfig) -> bytes | None:
 def config_from_engine(engine: EngineSettings) -> KvtierConfig:
     """kvtier's config from the engine's ``kv_connector_extra_config`` (``config_file`` + overrides)."""
     return load_config(None, overrides=dict(engine.extra))
+
+
+def described(ident: Identity, kcc: KVCacheConfig, chunk_size: int) -> dict[bytes, dict[str, Any]]:
+    """The manifests of the namespaces this process serves (none when its weights could not be fingerprinted:
+    it serves nothing)."""
+    return manifests(ident, kcc, chunk_size) if ident.fingerprint is not None else {}
+
+
+async def describe_tiers(tiers: Iterable[Tier], spaces: dict[bytes, dict[str, Any]],
+                         directory: Directory | None = None) -> None:
+    """Hand the namespaces to every tier (``Tier.describe``); with the ``directory`` of tiers already started,
+    adopt the records that became theirs (``adopt`` skips what it holds)."""
+    for tier in tiers:
+        pending = tier.describe(spaces)
+        if inspect.isawaitable(pending):  # a tier may describe synchronously
+            await pending
+        if directory is not None and not tier.is_shared:
+            directory.adopt(tier.name, ((e.key, e.size) for e in tier.entries()))
 
 
 class TieredConnector(KVConnectorBase, SupportsHMA):
@@ -92,11 +114,15 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         self._owns_store = store is None
         self._store = store
         self._sched_tiers: list[Tier] = []
+        self._sched_deltas = Deltas()
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         try:
             if is_scheduler(role):
                 self._scheduler = self._build_scheduler(cfg, kcc)
+                if engine.kv_events or bool(engine.extra.get("kv_events", False)):
+                    self._scheduler.events = ChunkEvents(self._scheduler.directory, self._scheduler.kcc,
+                                                         cfg.chunk_size)
             else:
                 self._worker = self._build_worker(cfg, kcc)
         except BaseException:
@@ -121,8 +147,10 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         ident = identity_from(cfg, self._engine, tp_rank=0, fingerprinted=blocker is None)
         blocker = blocker or weights_blocker(ident.fingerprint)
         spaces = namespaces(ident, kcc, cfg.chunk_size)
+        mine = described(ident, kcc, cfg.chunk_size)
         if self._store is not None:
             tiers = {n: self._store.tier(n) for n in self._store.tier_names}
+            self._loop.run(describe_tiers(tiers.values(), mine, self._store.directory))
             return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop,
                                  save_reports=False, blocker=blocker)
         # the scheduler plans with rank 0's keys, so it sees rank 0's disk directory (the other ranks hold the
@@ -130,6 +158,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         applied_cfg = applied(cfg, kcc, 0, ident.tp_size)
         built = build_tiers(applied_cfg, hmac_key(cfg))
         directory = directory_for(applied_cfg, built)
+        self._loop.run(describe_tiers(built, mine))
         self._sched_tiers = self._loop.run(start_tiers(built, Role.SCHEDULER, directory))
         return SchedulerHalf(cfg, kcc, spaces, directory=directory, tiers={t.name: t for t in built},
                              loop=self._loop, tp_size=ident.tp_size, blocker=blocker)
@@ -145,6 +174,10 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
             self._store = TieredStore.from_config(cfg, hmac_key=hmac_key(cfg), kcc=kcc, role=Role.WORKER,
                                                   rank=ident.tp_rank, tp_size=ident.tp_size)
             self._loop.run(self._store.start())
+            if ident.tp_rank != 0 and kcc is not None:  # rank 0's namespaces are the scheduler's to describe
+                store = self._store
+                self._loop.run(describe_tiers((store.tier(n) for n in store.tier_names),
+                                              described(ident, kcc, cfg.chunk_size)))
         worker = WorkerHalf(kcc, self._store, self._loop, identity=ident, chunk_size=cfg.chunk_size,
                             strict=cfg.strict, max_backlog=cfg.policy.save_backlog)
         blocker = weights_blocker(ident.fingerprint)
@@ -201,8 +234,14 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         return self._work().get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's counts since the last call; the scheduler's: its directory's and, where it opened them
+        itself, its tiers' (kvtier.metrics). None when nothing changed."""
         stats = self._worker.stats() if self._worker is not None else None
-        return None if stats is None else self.stats_type(data=dict(stats.data))
+        data = dict(stats.data) if stats is not None else {}
+        if self._scheduler is not None:
+            tiers = {t.name: t.stats() for t in self._sched_tiers}
+            data.update(self._sched_deltas.take(snapshot(tiers=tiers, directory=self._scheduler.directory.stats)))
+        return self.stats_type(data=data) if data else None
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         return self._worker.report() if self._worker is not None else None
@@ -232,7 +271,10 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         return self._sched().hit_sources(request.request_id)
 
     def take_events(self) -> Iterable[Any]:
-        return ()
+        """What entered and left each tier since the last call (kvtier.connector.chunk_events), when the engine
+        publishes KV events; an engine adapter converts them."""
+        events = self._scheduler.events if self._scheduler is not None else None
+        return events.take() if events is not None else ()
 
     # ---- shutdown --------------------------------------------------------------------------------------
     def shutdown(self) -> None:

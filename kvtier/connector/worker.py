@@ -40,7 +40,7 @@ from kvtier.connector.saving import MAX_BACKLOG
 from kvtier.errors import ConnectorError
 from kvtier.geometry import KVLayout
 from kvtier.layout import KVCacheConfig
-from kvtier.metrics import WorkerCounters, nonzero, snapshot
+from kvtier.metrics import Deltas, WorkerCounters, hit_tokens, nonzero, snapshot, tier_gauges
 from kvtier.runtime import LoopThread
 
 if TYPE_CHECKING:
@@ -65,7 +65,9 @@ class WorkerHalf:
         self._idle = False  # the current step computes no token (see get_finished)
         self._meta: KVTierMetadata | None = None
         self._kv = EngineKV(kcc, identity=identity, chunk_size=chunk_size, layout=layout)
-        self._counters = WorkerCounters()
+        self._counters = WorkerCounters(chunk_size)
+        self._tier_deltas = Deltas()
+        self._rank = identity.tp_rank if identity is not None else 0
         self._report = ReportBox()
         self._loads = LoadPath(self._kv, store, loop, self._counters, self._report)
         self._saves = SavePath(self._kv, store, loop, self._counters, self._report, max_backlog)
@@ -217,9 +219,20 @@ class WorkerHalf:
         return self._report.take()
 
     def stats(self) -> KVConnectorStats | None:
-        """The counts since the last call (kvtier.metrics snapshot, zeros left out), or None when nothing changed."""
-        data = nonzero(snapshot(self._counters.take()))
-        return KVConnectorStats(data=dict(data)) if data else None
+        """The counts since the last call (kvtier.metrics snapshot, zeros left out: the worker's, and its tiers'
+        counter differences), the tiers' gauges that changed, and the step's latency samples (lists, for
+        histograms); None when nothing changed."""
+        counts = self._counters.take()
+        data: dict[str, Any] = nonzero(snapshot(counts))
+        data.update(hit_tokens(counts, self._counters.chunk_size))
+        tiers = {name: self.store.tier(name) for name in self.store.tier_names}
+        data.update(self._tier_deltas.take({**snapshot(tiers={n: t.stats() for n, t in tiers.items()}),
+                                            **tier_gauges(tiers, self._rank)}))
+        if counts.load_samples:
+            data["samples:load_seconds"] = counts.load_samples
+        if counts.save_samples:
+            data["samples:save_seconds"] = counts.save_samples
+        return KVConnectorStats(data=data) if data else None
 
     def close(self) -> None:
         """Wait for pending saves, abandon pending loads."""

@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as VllmSupportsHMA
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma as vllm_supports_hma
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as VllmStats
 
 from kvtier.config import TierKind
@@ -68,6 +69,8 @@ from kvtier.connector.multi import MultiConnector, MultiConnectorStats, required
 from kvtier.connector.report import ChildReports, WorkerReport
 from kvtier.connector.tiered import TieredConnector
 from kvtier.errors import ConnectorError
+from kvtier.events import EventKind
+from kvtier.prometheus import LATENCY_BUCKETS, METRICS, observe_into
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,43 @@ VLLM_FACTORY = ConnectorFactory(
 
 class KVTierStats(kvbase.KVConnectorStats, VllmStats):  # type: ignore[misc]
     """kvtier's stats (numbers summed on aggregate) as a vLLM ``KVConnectorStats``."""
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """kvtier's metrics (kvtier.prometheus) in vLLM's registry, so they appear in the server's ``/metrics``,
+    labelled with vLLM's engine labels. Stats of a chained connector's kvtier children are summed."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, Any] = {}
+        counter: Any = self._counter_cls
+        gauge: Any = self._gauge_cls
+        histogram: Any = self._histogram_cls
+        for m in METRICS:
+            names = [*labelnames, *m.labels]
+            if m.kind == "counter":
+                self._metrics[m.name] = counter(name=m.name, documentation=m.help, labelnames=names)
+            elif m.kind == "gauge":
+                self._metrics[m.name] = gauge(name=m.name, documentation=m.help, labelnames=names,
+                                              multiprocess_mode="mostrecent")
+            else:
+                self._metrics[m.name] = histogram(name=m.name, documentation=m.help, labelnames=names,
+                                                  buckets=LATENCY_BUCKETS)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        values = self.per_engine_labelvalues.get(engine_idx, [])
+        base = {name: str(value) for name, value in zip(self._labelnames, values, strict=False)}
+        for part in _kvtier_parts(transfer_stats_data):
+            observe_into(self._metrics, part, base)
+
+
+def _kvtier_parts(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """kvtier's flat stats, or a chained connector's children's (keyed by class name, stats objects or dicts)."""
+    nested = [v for v in data.values() if isinstance(v, (dict, kvbase.KVConnectorStats, VllmStats))]
+    if not nested:
+        return [data]
+    return [dict(v.data if not isinstance(v, dict) else v) for v in nested]
 
 
 class KVTierMultiStats(MultiConnectorStats, VllmStats):  # type: ignore[misc]
@@ -173,6 +213,17 @@ class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """kvtier's counters, levels and latency histograms in the server's ``/metrics`` (kvtier.prometheus)."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def take_events(self) -> Any:
+        """What entered and left each tier, as vLLM's ``BlockStored`` / ``BlockRemoved`` (medium CPU, GPU, STORAGE
+        or REDIS; ``ownership`` names the kvtier tier)."""
+        return _vllm_events(TieredConnector.take_events(self), self.kvtier_config)
 
 
 class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):  # type: ignore[misc]
@@ -272,6 +323,29 @@ class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return KVTierMultiStats(data={name: _rebuild_stats(name, value)
                                       for name, value in (data or {}).items() if value is not None})
+
+
+_MEDIUM = {TierKind.GPU: "GPU", TierKind.CPU: "CPU", TierKind.DISK: "STORAGE", TierKind.REDIS: "REDIS"}
+
+
+def _vllm_events(events: Any, cfg: Any) -> list[Any]:
+    """kvtier's chunk events (kvtier.connector.chunk_events) as vLLM's KV-cache events."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    kinds: dict[str, TierKind] = {t.name: t.kind for t in cfg.tiers}
+    out: list[Any] = []
+    for event in events:
+        kind = kinds.get(event.tier)
+        info, medium = event.info, _MEDIUM[kind] if kind is not None else "EXTERNAL"
+        group = info.group if info.group >= 0 else None
+        if event.kind is EventKind.STORED:
+            out.append(BlockStored(block_hashes=list(info.block_hashes), parent_block_hash=info.parent_hash,
+                                   token_ids=list(info.token_ids), block_size=info.block_size, lora_id=None,
+                                   medium=medium, lora_name=None, group_idx=group, ownership=f"kvtier:{event.tier}"))
+        else:
+            out.append(BlockRemoved(block_hashes=list(info.block_hashes), medium=medium, group_idx=group,
+                                    ownership=f"kvtier:{event.tier}"))
+    return out
 
 
 def _vllm_results(results: kvbase.KVConnectorTransferResults) -> Any:

@@ -19,14 +19,17 @@ tensor of the same dtype, shape and contents). Rules every tier follows:
   memory tiers copy straight from their pool). Memory tiers also lend pinned zero-copy views (``Borrowing``).
 * ``entries()`` lists what a local tier already holds at start (disk: rebuilt from headers) so the
   directory can adopt it; shared tiers (Redis) are not enumerated and are asked with ``contains``.
+* ``describe(manifests)``: the connector names, once, the namespaces (digest -> kvtier.manifest dict) this
+  process serves. A tier several processes share (disk) takes them as its own: ``entries()`` lists only
+  those, it evicts only those, and writes their manifests. Default: nothing.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvtier.keys import Key
 from kvtier.metrics import TierStats
@@ -62,6 +65,12 @@ class Tier(ABC):
     def entries(self) -> Iterable[TierEntry]:
         """Records already present at start (local persistent tiers). Default: none."""
         return ()
+
+    def describe(self, manifests: Mapping[bytes, Mapping[str, Any]]) -> Awaitable[None] | None:
+        """The namespaces this process serves: 16-byte digest -> manifest (kvtier.manifest), once, before or
+        after ``start``, on the tier's event loop. A tier may do it synchronously or as a coroutine (callers
+        await what it returns, if anything). Default: nothing to do."""
+        return None
 
     @abstractmethod
     async def contains(self, keys: Sequence[Key]) -> list[bool]: ...

@@ -76,6 +76,9 @@ def test_quick_run_covers_every_tier_with_its_raw_limit(tmp_path: Path, capsys: 
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "% raw" in table and "redis" in table and "cold" in table
+    assert all(line.rstrip().endswith("]") for line in table.splitlines() if " MISS " in line)
+    assert all(r["meets_goal"] or r["miss_reason"] for r in results)
+    assert table.splitlines()[-1] == f"results: {out.absolute()}, t.png"
     assert not list(tmp_path.glob("kvtier-bench-*"))  # disk files removed
 
 
@@ -92,9 +95,54 @@ def test_script_runs_a_selected_tier_and_fsync_mode(tmp_path: Path) -> None:
     assert not out.with_suffix(".png").exists()
 
 
-def test_unknown_tier_is_refused() -> None:
-    with pytest.raises(SystemExit, match="unknown tiers: tape"):
-        run_cli("--quick", "--tiers", "cpu,tape")
+def test_unknown_tier_and_zero_repeats_are_one_line_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    for argv, expected in ((["--tiers", "cpu,tape"], "argument --tiers: unknown tape"),
+                           (["--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
+                           (["--sizes", "2MiB,0"], "argument --sizes: expected a size above 0"),
+                           (["--disk-path", "/no/such/dir"], "argument --disk-path: '/no/such/dir' is not a dir")):
+        assert main(["bench", "throughput", "--quick", *argv]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        [line] = captured.err.splitlines()
+        assert line.startswith("kvtier: error: ") and expected in line, line
+
+
+def result_row(tier: str, op: str, ratio: float, best: float, **extra: object) -> dict:
+    """One result as Runner.record makes it, from a ratio to a raw limit of 10 GB/s."""
+    run = throughput.Runner(extra.pop("settings", throughput.QUICK))  # type: ignore[arg-type]
+    try:
+        seconds = {"kvtier": [1 / (10 * ratio), 1 / (10 * best)], "raw": [0.1, 0.1]}
+        run.record(tier, op, 1 << 20, 1024, samples=seconds, raw_method="copy", **extra)
+    finally:
+        run.close()
+    return run.results[0]
+
+
+def test_a_row_below_its_goal_says_why() -> None:
+    full = throughput.Settings()
+    quick_cpu = result_row("cpu", "load", 0.5, 0.6)
+    assert not quick_cpu["meets_goal"] and quick_cpu["miss_reason"].startswith("quick: 8MiB per call, 2 rounds")
+    warm = result_row("disk", "load", 0.4, 0.5, settings=full, cache="warm")
+    assert warm["miss_reason"] == "known: every read checks the record's xxh3 hash"
+    noisy = result_row("cpu", "store", 0.7, 0.9, settings=full)
+    assert noisy["miss_reason"] == "noise: best round 90%"
+    real = result_row("cpu", "store", 0.5, 0.6, settings=full)
+    assert real["miss_reason"].startswith("below goal (a real miss")
+    met = result_row("cpu", "store", 0.9, 0.95, settings=full)
+    assert met["meets_goal"] and "miss_reason" not in met
+    lines = throughput.table([quick_cpu, warm, met]).splitlines()
+    assert "MISS (80%)" in lines[2] and lines[2].endswith(f"[{quick_cpu['miss_reason']}]")
+    assert "MISS (70%)" in lines[3] and lines[3].endswith("[known: every read checks the record's xxh3 hash]")
+    assert lines[4].endswith(" ok (80%)")
+    assert lines[-1] == throughput.MISS_LEGEND
+    assert throughput.MISS_LEGEND not in throughput.table([met])
+
+
+def test_a_ratio_just_below_the_goal_is_not_printed_as_the_goal() -> None:
+    row = result_row("cpu", "store", 0.7999, 0.7999, settings=throughput.Settings())
+    assert "  79% MISS (80%)" in throughput.table([row])
 
 
 def test_interleave_alternates_and_drops_warmup() -> None:

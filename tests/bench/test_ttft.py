@@ -43,5 +43,16 @@ def test_modes_can_be_chosen_and_unknown_ones_are_refused(tmp_path: Path) -> Non
     results = json.loads(out.read_text())["results"]
     assert [(r["mode"], r["hit_tokens"]) for r in results] == [("none", 0), ("cpu", 48)]
     assert not out.with_suffix(".png").exists()
-    with pytest.raises(SystemExit, match="unknown modes: tape"):
-        run_cli("--quick", "--modes", "cpu,tape")
+
+
+def test_unknown_modes_and_zero_lengths_are_one_line_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    for argv, expected in ((["--modes", "cpu,tape"], "argument --modes: unknown tape"),
+                           (["--lengths", "64,0"], "argument --lengths: expected an integer >= 1, got '0'"),
+                           (["--chunk-size", "-16"], "argument --chunk-size: expected an integer >= 1"),
+                           (["--chunk-size=-16"], "argument --chunk-size: expected an integer >= 1")):
+        assert main(["bench", "ttft", "--quick", *argv]) == 2
+        captured = capsys.readouterr()
+        [line] = captured.err.splitlines()
+        assert captured.out == "" and line.startswith("kvtier: error: ") and expected in line, line

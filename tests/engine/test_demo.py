@@ -30,6 +30,42 @@ def test_demo_reports_hits_savings_and_ttft(capsys: pytest.CaptureFixture[str]) 
     assert re.search(r"without cache +\d+\.\d ms +\d+\.\d ms", out)
     assert re.search(r"with kvtier +\d+\.\d ms +\d+\.\d ms", out)
     assert "outputs identical with and without the cache: yes" in out
+    assert demo.TIMING_NOTE in out  # says which figures depend on timing
+
+
+def _fixed_figures(out: str) -> tuple[str, str]:
+    """What the seed fixes: the prompt token count and the generated tokens (count and digest)."""
+    prompt = re.search(r"of (\d+) prompt tokens", out)
+    generated = re.search(r"generated tokens: (\d+ \(digest [0-9a-f]{12}\))", out)
+    assert prompt and generated, out
+    return prompt.group(1), generated.group(1)
+
+
+def test_same_seed_same_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = []
+    for seed in ("5", "5", "6"):
+        assert demo.run(_args("--users", "2", "--turns", "2", "--max-tokens", "3", "--seed", seed,
+                              "--no-progress")) == 0
+        runs.append(_fixed_figures(capsys.readouterr().out))
+    assert runs[0] == runs[1]
+    assert runs[2][1] != runs[0][1]  # another seed, other tokens
+
+
+def test_demo_says_where_the_disk_tier_is_and_which_overrides_apply(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVTIER_POLICY__EVICTION", "lru")
+    args = _args("--users", "2", "--turns", "2", "--max-tokens", "3", "--persist", str(tmp_path / "keep"),
+                 "--memory-capacity", "256KiB", "--chunk-size", "48", "--no-progress")
+    assert demo.run(args) == 0
+    out = capsys.readouterr().out
+    assert f"kvtier demo: disk tier 'disk' at {tmp_path}/keep/disk (kept)\n" in out
+    assert ("kvtier demo: overrides applied: chunk_size 48 (--chunk-size); cpu capacity 256 KiB "
+            "(--memory-capacity); environment: KVTIER_CACHE_DIR, KVTIER_POLICY__EVICTION\n") in out
+    assert any((tmp_path / "keep" / "disk").rglob("*")), "nothing written under --persist DIR"
+    assert demo.run(_args("--users", "2", "--turns", "1", "--max-tokens", "3", "--no-progress")) == 0
+    temporary = re.search(r"disk tier 'disk' at (\S+) \(temporary, removed at exit", capsys.readouterr().out)
+    assert temporary and not Path(temporary.group(1)).exists()
 
 
 def test_demo_persist_uses_the_configured_disk_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -54,7 +90,8 @@ def test_demo_rejects_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture
     bad = tmp_path / "bad.yaml"
     bad.write_text("chunk_sise: 32\n")
     assert demo.run(_args("--config", str(bad), "--no-progress")) == 2
-    assert "chunk_sise" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: chunk_sise") and len(err.splitlines()) == 1, err
 
 
 def test_kvtier_demo_command_with_defaults_finishes_quickly(tmp_path: Path) -> None:

@@ -65,10 +65,11 @@ async def test_configured_slot_bytes() -> None:
     assert tier.stored_size(100) == 12288
 
 
-async def test_pool_is_pretouched_and_zeroed() -> None:
+async def test_pool_reads_zeros_and_commits_nothing_before_a_put() -> None:
     tier = await started(64 << 10)
     buf = tier.pool._buf
     assert buf is not None and buf.numel() == 64 << 10 and int(buf.count_nonzero()) == 0
+    assert tier.committed_bytes() == 0  # memory is backed as records arrive (tests/tiers/test_pool_memory.py)
 
 
 async def test_fragmented_record_spans_several_runs() -> None:

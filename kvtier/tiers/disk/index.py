@@ -6,7 +6,8 @@ target directory and ``os.replace`` it, so a record file is either absent or com
 run it in a worker thread) walks the namespace directories only (the root may hold other tiers' directories,
 e.g. tensor-parallel ranks' ``tp<rank>-of-<size>``), removes stale temp files, deletes files whose header is
 invalid or whose size disagrees with the header, moves records found at another shard depth, and returns the
-valid ones oldest first.
+valid ones oldest first. It skips what is not a record: each namespace directory's ``manifest.json``
+(kvtier.manifest) and, at the root, the shared-directory ledger and lock files (kvtier.tiers.disk.ledger).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from kvtier.codec import HEADER_SIZE, decode_header
 from kvtier.errors import CorruptRecord
 from kvtier.keys import DIGEST_BYTES, KEY_BYTES, Key
+from kvtier.manifest import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,8 @@ class ScanResult:
     entries: list[tuple[Key, int]] = field(default_factory=list)  # oldest first
     corrupt: int = 0
     temp_removed: int = 0
+    removed_bytes: dict[bytes, int] = field(default_factory=dict)  # invalid records deleted, per namespace
+    manifested: set[bytes] = field(default_factory=set)  # namespaces whose directory has a manifest
 
 
 def _pid_alive(pid: int) -> bool:
@@ -146,6 +150,8 @@ def scan(layout: Layout, max_raw: int) -> ScanResult:
             # parallel ranks sharing the configured path) belong to other tiers
             dirs[:] = [d for d in dirs if _is_namespace(d)]
             continue
+        if os.path.dirname(dirpath) == layout.root and MANIFEST_NAME in files:
+            result.manifested.add(bytes.fromhex(os.path.basename(dirpath)))
         for name in files:
             path = os.path.join(dirpath, name)
             if name.endswith(TMP_SUFFIX):
@@ -159,8 +165,10 @@ def scan(layout: Layout, max_raw: int) -> ScanResult:
                 entry = _scan_one(layout, path, name, max_raw)
             except FileNotFoundError:  # removed by another process meanwhile
                 continue
-            if entry is None:
+            if isinstance(entry, int):
                 result.corrupt += 1
+                space = bytes.fromhex(os.path.relpath(dirpath, layout.root).split(os.sep)[0])
+                result.removed_bytes[space] = result.removed_bytes.get(space, 0) + entry
             else:
                 found.append(entry)
     found.sort(key=lambda e: e[0])
@@ -168,12 +176,14 @@ def scan(layout: Layout, max_raw: int) -> ScanResult:
     return result
 
 
-def _scan_one(layout: Layout, path: str, name: str, max_raw: int) -> tuple[float, Key, int] | None:
-    """(mtime, key, size) of a valid record, after moving it to its place; None (and deleted) if invalid.
+def _scan_one(layout: Layout, path: str, name: str, max_raw: int) -> tuple[float, Key, int] | int:
+    """(mtime, key, size) of a valid record, after moving it to its place; the size of an invalid one (deleted).
     ``FileNotFoundError`` when the file vanished meanwhile."""
     key = _key_of(name)
+    size = 0
     try:
         st = os.stat(path)
+        size = st.st_size
         if key is None:
             raise CorruptRecord(f"file name {name!r} is not a key")
         _check_record(path, key, st.st_size, max_raw)
@@ -186,5 +196,5 @@ def _scan_one(layout: Layout, path: str, name: str, max_raw: int) -> tuple[float
     except (CorruptRecord, OSError) as exc:
         log.warning("disk tier: removing invalid record %s: %s", path, exc)
         _unlink(path)
-        return None
+        return size
     return (st.st_mtime, key, st.st_size)

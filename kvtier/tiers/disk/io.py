@@ -231,3 +231,23 @@ def read_records(paths: Sequence[str], keys: Sequence[Key], hmac_key: bytes | No
             exc.__cause__ = exc.__context__ = None
             out.append(exc.with_traceback(None))
     return out
+
+
+def read_runs(sizes: Sequence[int]) -> list[list[int]]:
+    """Positions split into at most ``READ_STREAMS`` consecutive runs of similar byte counts, one
+    worker-thread call each.
+
+    Measured on page-cached files (2 cores): one call per record runs at half the speed of a plain read
+    loop (thread hops, and GIL hand-offs between many readers); a few streams keep it near the loop's speed
+    and still give a device several reads in flight for uncached files.
+    """
+    share = -(-sum(max(n, 1) for n in sizes) // READ_STREAMS)
+    runs: list[list[int]] = []
+    filled = share
+    for i, size in enumerate(sizes):
+        if filled >= share:
+            runs.append([])
+            filled = 0
+        runs[-1].append(i)
+        filled += max(size, 1)
+    return runs

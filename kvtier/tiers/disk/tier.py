@@ -1,9 +1,20 @@
 """The disk tier: one record file per key under a sharded directory, with a byte quota.
 
-Lifecycle: ``DiskTier(section)`` -> ``await start()`` (creates the root 0700, removes stale temp files and
+Lifecycle: ``DiskTier(section)`` -> ``await describe(manifests)`` (optional: the namespaces this process
+serves) -> ``await start()`` (creates the root 0700, joins the directory's ledger, removes stale temp files and
 invalid records, rebuilds the index key -> file size from the headers; ``entries()`` then lists what an
-earlier process left) -> ``contains`` (index only) / ``get`` / ``put`` / ``delete`` -> ``await close()`` (waits
-for writes in flight).
+earlier process left in this process's namespaces) -> ``contains`` (index only) / ``get`` / ``put`` /
+``delete`` -> ``await close()`` (waits for writes in flight, leaves the ledger). A root that cannot be created
+or written is a ``ConfigError`` naming the config key.
+
+A directory several processes share (vLLM instances of different models, the scheduler and worker processes
+of one engine): kvtier.tiers.disk.shared has the rule. One quota for the directory (the first writer's, kept in
+``<root>/.kvtier-ledger``), bytes counted across processes under ``flock``; for room a process deletes its
+own namespaces' oldest records, then those of namespaces no running process serves, and only while below a fair
+share (quota / namespaces served) the oldest of the namespace furthest over its share. Trade-off: no global
+LRU (each evicts by age within what it may take), and a namespace at or below its share is never cut by
+another process. A put costs one or two short ledger transactions in the writer thread (no extra thread
+hop). A killed process may leave its last batch counted until a start recounts. Manifests: kvtier.manifest.
 
 Writes: encode (kvtier.codec, optional compression and HMAC) into a temp file in the target directory, fsync
 when configured, ``os.replace``. The quota counts whole files; a put that would exceed it is refused. Any
@@ -12,12 +23,12 @@ Reads verify the key, checksum and signature; a corrupt or truncated file is a m
 ``corrupt``; a file removed behind our back (another process sharing the directory) is a miss. The records of
 one ``put`` are written one after another by the tier's single writer thread, at the lowest CPU priority
 (``kvtier.runtime.background_thread``): one thread hop per batch, and the engine's threads run first.
-Reads of one ``get``: small records (under ``SMALL_RECORD`` on average) first
-go through one call that reads each only if the page cache holds all of it (``RWF_NOWAIT``); the rest, and
-large records, go in at most ``READ_STREAMS`` calls (runs of records of similar size), so that a device has
-several reads in flight. A read goes straight into the returned tensor's memory, recycled from results the
-caller dropped (``kvtier.tiers.memory.recycle``: already touched, never reused while held, payload page-aligned; small
-records of one call share a buffer), and hashes each piece as it arrives instead of in a second pass.
+Reads of one ``get``: small records (under ``SMALL_RECORD`` on average) first go through one call that reads
+each only if the page cache holds all of it (``RWF_NOWAIT``); the rest, and large records, go in at most
+``READ_STREAMS`` calls (runs of records of similar size), so that a device has several reads in flight. A read
+goes straight into the returned tensor's memory, recycled from results the caller dropped
+(``kvtier.tiers.memory.recycle``: already touched, never reused while held, payload page-aligned; small records
+of one call share a buffer), and hashes each piece as it arrives instead of in a second pass.
 The index is only touched on the event loop thread, so it needs no lock.
 """
 
@@ -27,27 +38,30 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from kvtier.codec import HEADER_SIZE, MAC_BYTES
 from kvtier.config import DiskTierConfig, TierConfig
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.keys import Key
+from kvtier.keys import DIGEST_BYTES, Key
 from kvtier.metrics import DiskStats, Timer
 from kvtier.runtime import background_thread
 from kvtier.tiers.base import Tier, TierEntry
 from kvtier.tiers.disk.index import DIR_MODE, Layout, scan
 from kvtier.tiers.disk.io import (
     NOWAIT_FLAGS,
-    READ_STREAMS,
     SMALL_RECORD,
     Deferred,
     ReadResult,
     read_records,
+    read_runs,
     write_record,
 )
+from kvtier.tiers.disk.records import Records
+from kvtier.tiers.disk.shared import Reservation, SharedDirectory, Victim
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
 
 log = logging.getLogger(__name__)
@@ -58,16 +72,19 @@ class DiskTier(Tier):
 
     _stats: DiskStats
 
-    def __init__(self, section: TierConfig, *, hmac_key: bytes | None = None) -> None:
+    def __init__(self, section: TierConfig, *, hmac_key: bytes | None = None, key_path: str | None = None) -> None:
         super().__init__(section.name, section.capacity)
         self._stats = DiskStats()
+        self.key_path = key_path or f"tiers.{section.name}"  # the config section, for errors (``tiers[2]``)
         if not isinstance(section, DiskTierConfig) or not section.path:
-            raise ConfigError(f"tiers.{section.name}.path", "a disk tier needs a directory path")
+            raise ConfigError(f"{self.key_path}.path", "a disk tier needs a directory path")
         self.section = section
         self.layout = Layout(section.path, section.shard_depth)
         self.hmac_key = hmac_key
-        self._index: dict[Key, int] = {}
-        self._used = 0
+        self._records = Records()  # what is on disk; our own namespaces (kvtier.tiers.disk.shared)
+        self._index = self._records.index
+        self._shared = SharedDirectory(section.name, self.layout, section.capacity)
+        self._started = False
         self._reserved = 0
         self._writing: dict[Key, asyncio.Future[None]] = {}
         self._writer_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -76,52 +93,84 @@ class DiskTier(Tier):
         self._nowait = NOWAIT_FLAGS != 0  # the page-cache pass of ``get``; off where the file system refuses it
 
     async def start(self) -> None:
-        """Create the root (0700) and rebuild the index from the files already there."""
+        """Create the root (0700), join its ledger and rebuild the index from the files already there."""
         self.layout.forget_dirs()
-        await asyncio.to_thread(self._create_root)
-        result = await asyncio.to_thread(scan, self.layout, self.capacity_bytes)
-        self._index = dict(result.entries)
-        self._used = sum(self._index.values())
+        try:
+            await asyncio.to_thread(self._create_root)
+            result = await asyncio.to_thread(self._shared.join, lambda: scan(self.layout, self.capacity_bytes),
+                                             sorted(self._records.own))
+        except OSError as exc:
+            raise ConfigError(f"{self.key_path}.path", f"cannot use {self.layout.root} as the disk tier's directory "
+                              f"({exc.strerror or exc})", "set it to a directory this user may create and write"
+                              ) from None
+        self._records.clear()
+        for key, size in result.entries:
+            self._records.add(key, size)
+        if not self._shared.described:  # raw keys: adopt namespaces no one describes or serves
+            self._records.take([s for s in self._records.spaces
+                                if s not in result.manifested and s not in self._shared.foreign])
+        self._shared.manifested |= result.manifested & set(self._shared.described)
         self._stats.corrupt += result.corrupt
         self._stats.temp_removed += result.temp_removed
-        if self._used > self.capacity_bytes:
+        self._started = True
+        if self._shared.described:
+            await asyncio.to_thread(self._shared.write_manifests, sorted(self._shared.described), True)
+        if self._records.used > self.capacity_bytes:
             await self._trim_to_quota()
-        log.info("disk tier %s: %d records, %d bytes in %s (%d invalid removed)", self.name, len(self._index),
-                 self._used, self.layout.root, result.corrupt)
+        log.info("disk tier %s: %d records, %d bytes of its own in %s (%d invalid removed; the directory holds %d "
+                 "of its %d bytes)", self.name, len(self._index), self._records.used, self.layout.root, result.corrupt,
+                 self._shared.total, self._shared.quota)
 
     def _create_root(self) -> None:
         if not os.path.isdir(self.layout.root):
             self.layout.make_dirs(self.layout.root)
             os.chmod(self.layout.root, DIR_MODE)
 
+    async def describe(self, manifests: Mapping[bytes, Mapping[str, Any]]) -> None:
+        """Take these namespaces (digest -> manifest, kvtier.manifest) as this process's own: ``entries()``
+        lists their records, evictions may take them, and each gets its manifest."""
+        spaces = [bytes(d) for d in manifests]
+        self._shared.described.update({bytes(d): dict(m) for d, m in manifests.items()})
+        self._records.take(spaces)
+        if self._started:
+            try:
+                await asyncio.to_thread(self._shared.claim, spaces)
+            except OSError as exc:
+                log.warning("disk tier %s: cannot record its namespaces in %s: %s", self.name,
+                            self._shared.ledger.path, exc)
+
     async def _trim_to_quota(self) -> None:
-        """Delete the oldest records until the quota holds (the quota was lowered since they were written)."""
-        victims = []
-        for key, size in self._index.items():
-            if self._used <= self.capacity_bytes:
-                break
-            victims.append(key)
-            self._used -= size
+        """Delete our namespaces' oldest records until our capacity holds (it was lowered since they were
+        written)."""
+        excess = self._records.used - self.capacity_bytes
+        victims = [v.key for v in self._records.victims(excess, self._writing, (), orphans=False)]
         for key in victims:
-            del self._index[key]
-        await asyncio.to_thread(self._unlink_many, victims)
+            self._records.forget(key)
+        await asyncio.to_thread(self._shared.remove, victims)
         self._stats.evictions += len(victims)
 
     def entries(self) -> Iterable[TierEntry]:
-        """Records present (oldest first after ``start``)."""
-        return [TierEntry(k, s) for k, s in self._index.items()]
+        """Records of this process's namespaces (oldest first after ``start``)."""
+        return [TierEntry(k, s) for k, s in self._index.items() if self._records.is_own(k)]
 
     async def close(self) -> None:
-        """Wait for writes in flight; free idle read buffers. Idempotent."""
+        """Wait for writes in flight; leave the ledger; free idle read buffers. Idempotent."""
         while self._writing:
             await asyncio.gather(*self._writing.values(), return_exceptions=True)
         if self._writer_pool is not None:
             self._writer_pool.shutdown(wait=False)
             self._writer_pool = None
+        if self._started:
+            self._started = False
+            try:
+                await asyncio.to_thread(self._shared.leave)
+            except OSError as exc:
+                log.warning("disk tier %s: cannot leave the ledger of %s: %s", self.name, self.layout.root, exc)
         self._buffers.clear()
 
     def used_bytes(self) -> int:
-        return self._used
+        """Bytes of this process's namespaces' records (the whole directory's are in the ledger)."""
+        return self._records.used
 
     def stats(self) -> DiskStats:
         return self._stats
@@ -199,25 +248,7 @@ class DiskTier(Tier):
         into.extend(box)
         box.clear()
 
-    @staticmethod
-    def _read_runs(sizes: Sequence[int]) -> list[list[int]]:
-        """Positions split into at most ``READ_STREAMS`` consecutive runs of similar byte counts, one
-        worker-thread call each.
-
-        Measured on page-cached files (2 cores): one call per record runs at half the speed of a plain read
-        loop (thread hops, and GIL hand-offs between many readers); a few streams keep it near the loop's speed
-        and still give a device several reads in flight for uncached files.
-        """
-        share = -(-sum(max(n, 1) for n in sizes) // READ_STREAMS)
-        runs: list[list[int]] = []
-        filled = share
-        for i, size in enumerate(sizes):
-            if filled >= share:
-                runs.append([])
-                filled = 0
-            runs[-1].append(i)
-            filled += max(size, 1)
-        return runs
+    _read_runs = staticmethod(read_runs)
 
     async def _settle(self, keys: Sequence[Key], results: Sequence[ReadResult | None]) -> list[torch.Tensor | None]:
         """Turn read results into tensors or misses: forget vanished records, delete corrupt ones, count errors,
@@ -226,11 +257,11 @@ class DiskTier(Tier):
         corrupt: list[Key] = []
         for key, result in zip(keys, results, strict=True):
             if isinstance(result, FileNotFoundError):
-                self._forget(key)
+                self._records.forget(key)
                 out.append(None)
             elif isinstance(result, CorruptRecord):
                 log.warning("disk tier %s: corrupt record %s: %s", self.name, self.layout.path(key), result)
-                self._forget(key)
+                self._records.forget(key)
                 self._stats.corrupt += 1
                 corrupt.append(key)
                 out.append(None)
@@ -241,16 +272,13 @@ class DiskTier(Tier):
             else:
                 tensor, size = result
                 if key not in self._index:  # written by another process sharing the directory
-                    if self._used + self._reserved + size <= self.capacity_bytes:
-                        self._index[key] = size
-                        self._used += size
+                    if not self._records.is_own(key) or (self._records.used + self._reserved + size
+                                                         <= self.capacity_bytes):
+                        self._records.add(key, size)
                 out.append(tensor)
         if corrupt:
-            await asyncio.to_thread(self._unlink_many, corrupt)
+            await asyncio.to_thread(self._shared.remove, corrupt)
         return out
-
-    def _forget(self, key: Key) -> None:
-        self._used -= self._index.pop(key, 0)
 
     async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
         """Write records; ``puts`` counts written ones, ``puts_refused`` the ones over quota.
@@ -276,7 +304,11 @@ class DiskTier(Tier):
         self._writing.update(waits)
         try:
             batch = [items[i] for i in accepted]
-            sizes = await loop.run_in_executor(self._writer(), self._write_many, batch)
+            self._records.take({key[:DIGEST_BYTES] for key, _ in batch})  # a namespace we write is ours
+            victims = self._room_for(batch)
+            sizes, room = await loop.run_in_executor(self._writer(), self._store_batch, batch, victims,
+                                                     sorted(self._records.own))
+            self._evicted(room)
         finally:  # cancelled or not, the reservations end and waiters go on
             for i in accepted:
                 key, tensor = items[i]
@@ -301,14 +333,35 @@ class DiskTier(Tier):
 
     def _reserve(self, key: Key, tensor: torch.Tensor) -> bool:
         need = self.stored_size(tensor.numel() * tensor.element_size())
-        if self._used - self._index.get(key, 0) + self._reserved + need > self.capacity_bytes:
+        if self._records.used - self._index.get(key, 0) + self._reserved + need > self.capacity_bytes:
             self._stats.puts_refused += 1
             return False
         self._reserved += need
         return True
 
+    def _room_for(self, batch: Sequence[tuple[Key, torch.Tensor]]) -> list[Victim]:
+        """Records the writer may delete for ``batch`` when the directory was near its quota at the last look
+        (twice the batch's bytes of slack: other processes write meanwhile)."""
+        need = sum(self.stored_size(t.numel() * t.element_size()) for _, t in batch)
+        over = self._shared.total + 2 * need - self._shared.quota
+        if over <= 0:
+            return []
+        keep = {k for k, _ in batch} | set(self._writing)
+        return list(self._records.victims(over, keep, self._shared.foreign))
+
+    def _evicted(self, room: Reservation) -> None:
+        for key in room.evicted:
+            self._records.forget(key)
+        self._stats.evictions += len(room.evicted)
+
+    def _store_batch(self, items: Sequence[tuple[Key, torch.Tensor]], victims: Sequence[Victim],
+                     own: Sequence[bytes]) -> tuple[list[int | Exception | None], Reservation]:
+        """In the writer thread: ``SharedDirectory.store`` with ``_write_many``."""
+        uppers = [self.stored_size(t.numel() * t.element_size()) for _, t in items]
+        return self._shared.store(items, uppers, victims, own, self._write_many)
+
     def _write_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[int | Exception]:
-        """Write each record (blocking, in a worker thread); its file size, or the error that dropped it (each
+        """Write each record (blocking, in the writer thread); its file size, or the error that dropped it (each
         record on its own: one that fails never takes the others of the batch along)."""
         out: list[int | Exception] = []
         for key, tensor in items:
@@ -319,15 +372,16 @@ class DiskTier(Tier):
                 out.append(exc)
         return out
 
-    def _settle_write(self, item: tuple[Key, torch.Tensor], size: int | Exception) -> bool:
+    def _settle_write(self, item: tuple[Key, torch.Tensor], size: int | Exception | None) -> bool:
         key, tensor = item
+        if size is None:
+            self._stats.puts_refused += 1
+            return False
         if isinstance(size, Exception):
             log.warning("disk tier %s: write of %s dropped: %s", self.name, key.hex(), size)
             self._stats.errors += 1
             return False
-        self._forget(key)
-        self._index[key] = size
-        self._used += size
+        self._records.add(key, size)
         self._stats.puts += 1
         self._stats.bytes_in += tensor.numel() * tensor.element_size()
         return True
@@ -338,20 +392,8 @@ class DiskTier(Tier):
             await self._wait_writing(key)
         known = {k for k in keys if k in self._index}
         for key in known:
-            self._forget(key)
-        removed = await asyncio.to_thread(self._unlink_many, keys)
-        n = len(known | removed)
+            self._records.forget(key)
+        removed = await asyncio.to_thread(self._shared.remove, list(keys))
+        n = len(known | set(removed))
         self._stats.deletes += n
         return n
-
-    def _unlink_many(self, keys: Iterable[Key]) -> set[Key]:
-        removed = set()
-        for key in keys:
-            try:
-                os.unlink(self.layout.path(key))
-                removed.add(key)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("disk tier %s: cannot remove %s: %s", self.name, key.hex(), exc)
-        return removed

@@ -1,4 +1,9 @@
-"""Free slot runs of a slot pool: first fit for one run, largest runs first when fragmented, coalescing on return."""
+"""Free slot runs of a slot pool: first fit for one run, largest runs first when fragmented, coalescing on return.
+
+Slots below the high-water mark (``high``: the end of the highest run ever taken) are preferred: a pool's memory
+is backed only where it was written (:mod:`kvtier.tiers.memory.arena`), so reusing those slots first keeps the
+mark, and the memory, at the peak of what was stored when records have one size.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,14 @@ def round_up(n: int, align: int = SLOT_ALIGN) -> int:
 
 
 class FreeRuns:
-    """Free slot runs with coalescing: first fit for one run, largest runs first when fragmented."""
+    """Free slot runs with coalescing: first fit for one run, largest runs first when fragmented; runs below
+    ``high`` first (module docstring)."""
 
     def __init__(self, n_slots: int) -> None:
         self._by_start: dict[int, int] = {}
         self._by_end: dict[int, int] = {}
         self.free = 0
+        self.high = 0
         if n_slots:
             self.give(0, n_slots)
 
@@ -36,12 +43,19 @@ class FreeRuns:
         if need > self.free:
             return None
         chosen: list[Run] = []
-        # newest free run first: the slots freed last are the likeliest to still be in the CPU cache
+        # newest free run first: the slots freed last are the likeliest to still be in the CPU cache; one that
+        # would raise the high-water mark only when no run below it fits
+        above: Run | None = None
         for start, count in reversed(self._by_start.items()):
             if count >= need:
-                chosen = [(start, need)]
-                break
-        else:
+                if start + need <= self.high:
+                    chosen = [(start, need)]
+                    break
+                if above is None:
+                    above = (start, need)
+        if above is not None and not chosen:
+            chosen = [above]
+        if not chosen:
             left = need
             for start, count in sorted(self._by_start.items(), key=lambda r: -r[1]):
                 chosen.append((start, min(count, left)))
@@ -52,6 +66,7 @@ class FreeRuns:
             count = self._remove(start)
             if count > used:
                 self._add(start + used, count - used)
+            self.high = max(self.high, start + used)
         return chosen
 
     def give(self, start: int, count: int) -> None:

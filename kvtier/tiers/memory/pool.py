@@ -1,9 +1,11 @@
-"""The memory tier (cpu and gpu tiers) over a fixed-size slot pool in one preallocated tensor (``SlotPool``, in
+"""The memory tier (cpu and gpu tiers) over a fixed-size slot pool in one buffer (``SlotPool``, in
 :mod:`kvtier.tiers.memory.slots`).
 
-Lifecycle: ``PoolTier(...)`` -> ``await start()`` (allocates ``capacity`` bytes on the device and touches every
-page once, so the first puts are not slowed by page faults) -> ``put`` / ``get`` / ``get_into`` / ``view`` /
-``delete`` / ``pin`` / ``unpin`` -> ``await close()`` (drops the buffer).
+Lifecycle: ``PoolTier(...)`` -> ``await start()`` -> ``put`` / ``get`` / ``get_into`` / ``view`` / ``delete`` /
+``pin`` / ``unpin`` -> ``await close()`` (drops the buffer). ``start`` reserves ``capacity`` bytes of address
+space; pageable host memory is backed only as records are written into slots (:mod:`kvtier.tiers.memory.arena`:
+resident memory is at most the high-water mark of the used slots rounded up to 2 MiB), while pinned host memory
+and device memory are allocated whole and zeroed at ``start``.
 
 The pool is split into slots of ``slot_bytes`` (from the config, or the first record stored, rounded up to
 4 KiB). A record of n bytes takes ceil(n / slot) slots, contiguous when a run that long is free, several runs
@@ -22,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from kvtier.errors import TierUnavailable
 from kvtier.keys import Key
 from kvtier.metrics import Timer
 from kvtier.tiers.base import Tier
@@ -64,8 +67,14 @@ class PoolTier(Tier):
         self.pool = SlotPool(capacity, device, slot_bytes, pin_memory)
 
     async def start(self) -> None:
-        """Allocate and pre-touch the pool (off the event loop: gigabytes take seconds)."""
-        await asyncio.to_thread(run_in_short_lived_thread, self.pool.allocate)
+        """Reserve the pool (off the event loop: pinned and device pools are allocated whole and zeroed, which
+        takes seconds for gigabytes). ``TierUnavailable`` when the host refuses even the address space (a
+        capacity above its memory and swap)."""
+        try:
+            await asyncio.to_thread(run_in_short_lived_thread, self.pool.allocate)
+        except OSError as exc:
+            raise TierUnavailable(f"tier {self.name!r}: cannot reserve {self.capacity_bytes} bytes of host memory "
+                                  f"({exc.strerror or exc}): lower its capacity") from exc
         log.debug("tier %s: %d bytes on %s, pinned=%s", self.name, self.capacity_bytes, self.pool.device,
                   self.pool.pin_memory)
 
@@ -117,6 +126,10 @@ class PoolTier(Tier):
 
     def used_bytes(self) -> int:
         return self.pool.used_bytes()
+
+    def committed_bytes(self) -> int:
+        """High-water mark of the pool's memory (see the module docstring); at most ``capacity_bytes``."""
+        return self.pool.committed_bytes()
 
     def stored_size(self, nbytes: int) -> int:
         return self.pool.cost(nbytes)

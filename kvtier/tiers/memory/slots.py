@@ -1,18 +1,19 @@
-"""``SlotPool``: records as raw bytes in fixed-size slots of one preallocated tensor, in host or device memory.
-The slot rules (sizes, runs, pins and deferred frees) are described in :mod:`kvtier.tiers.memory.pool`, whose
-``PoolTier`` owns a pool.
+"""``SlotPool``: records as raw bytes in fixed-size slots of one buffer, in host or device memory. The buffer
+(:mod:`kvtier.tiers.memory.arena`) reserves the capacity; pageable host memory is backed only where records are
+written. The slot rules (sizes, runs, pins and deferred frees) are described in
+:mod:`kvtier.tiers.memory.pool`, whose ``PoolTier`` owns a pool.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.keys import Key
+from kvtier.tiers.memory.arena import Arena
 from kvtier.tiers.memory.copies import Piece, copy_pieces
 from kvtier.tiers.memory.free_runs import FreeRuns, Run, round_up
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
@@ -28,19 +29,6 @@ class Slotted:
     nbytes: int
 
 
-def _alloc_host(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
-    """Host memory: pinned through CUDA, else an anonymous mapping advised to use huge pages."""
-    if pin:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
-    mm = mmap.mmap(-1, max(nbytes, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # kernels without transparent huge pages
-            pass
-    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], mm
-
-
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
@@ -50,7 +38,7 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 class SlotPool:
-    """Records as raw bytes in fixed-size slots of one tensor. Synchronous; the owning tier adds stats."""
+    """Records as raw bytes in fixed-size slots of one buffer. Synchronous; the owning tier adds stats."""
 
     def __init__(self, capacity: int, device: str | torch.device = "cpu", slot_bytes: int | None = None,
                  pin_memory: bool = False) -> None:
@@ -59,7 +47,7 @@ class SlotPool:
         self.pin_memory = pin_memory
         self._slot = round_up(slot_bytes) if slot_bytes else 0
         self._buf: torch.Tensor | None = None
-        self._mm: mmap.mmap | None = None
+        self._arena: Arena | None = None
         self._free: FreeRuns | None = None
         self._map: dict[Key, Slotted] = {}
         self._pins: dict[Key, int] = {}
@@ -69,21 +57,21 @@ class SlotPool:
         self._recycler = Recycler(min(self.capacity, DEFAULT_MAX_IDLE)) if self.device.type == "cpu" else None
 
     def allocate(self) -> None:
-        """Allocate the buffer and touch every page once."""
+        """Reserve the buffer (pinned and device memory: allocate it whole and zero it)."""
         if self._buf is not None:
             return
-        if self.device.type == "cpu":
-            self._buf, self._mm = _alloc_host(self.capacity, self.pin_memory)
-        else:
-            self._buf = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
-        self._buf.zero_()
+        self._arena = Arena(self.capacity, self.device, self.pin_memory and self.device.type == "cpu")
+        self._arena.zero()
+        self._buf = self._arena.buf
         if self._slot:
             self._free = FreeRuns(self.capacity // self._slot)
 
     def release(self) -> None:
         """Drop the buffer and every record."""
         self._buf = self._free = None
-        self._mm = None  # the mapping is unmapped when the last tensor view of it is gone
+        if self._arena is not None:
+            self._arena.close()  # a mapping is unmapped when the last tensor view of it is gone
+            self._arena = None
         self._map.clear()
         self._pins.clear()
         self._deferred.clear()
@@ -105,6 +93,10 @@ class SlotPool:
 
     def used_bytes(self) -> int:
         return self._used_slots * self._slot
+
+    def committed_bytes(self) -> int:
+        """High-water mark of the bytes written, rounded up to 2 MiB (pinned and device pools: the capacity)."""
+        return self._arena.committed if self._arena is not None else 0
 
     def __contains__(self, key: object) -> bool:
         return key in self._map
@@ -167,6 +159,8 @@ class SlotPool:
         runs = self._take(need)
         if runs is None:
             return False
+        if runs and self._free is not None and self._arena is not None:  # bookkeeping: pages are backed on write
+            self._arena.commit(self._free.high * self._slot)
         self._used_slots += need
         self._pieces(runs, src, n, pieces)
         self._drop(key)

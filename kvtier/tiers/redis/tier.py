@@ -215,6 +215,12 @@ class RedisTier(Tier):
             int(b.state), b.opens, b.rejected
         return self._stats
 
+    def describe(self, manifests: Mapping[bytes, Mapping[str, Any]]) -> None:
+        """SET ``{key_prefix}:manifest:{namespace hex}`` per namespace for ``kvtier stats``, in the background."""
+        from kvtier.catalog.manifest import publish
+
+        publish(self, manifests)
+
     # -- helpers -----------------------------------------------------------------------------------------------
 
     async def _guarded(self, op: Callable[[], Awaitable[T]], fallback: T) -> T:

@@ -1,0 +1,133 @@
+"""A real ``vllm`` OpenAI server (vLLM's CPU build) in its own process, for benchmarks and end-to-end tests: start
+it on a loopback port, send completions of token ids, scrape its ``/metrics``, stop it.
+
+Tiny checkpoints have no tokenizer (kvtier.bench.models): the server runs with ``--skip-tokenizer-init`` and
+prompts are lists of token ids; completions return token ids (``return_token_ids``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+ENGINE_LABELS = ("engine", "model_name")
+
+
+def kvtier_transfer(config_file: str, **extra: Any) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for kvtier's connector with a kvtier config file."""
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config_file, **extra}}
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server."""
+
+    model: str
+    port: int
+    block_size: int = 32
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    dtype: str = "float32"
+    prefix_caching: bool = True
+    transfer: dict[str, Any] | None = None  # --kv-transfer-config
+    events_endpoint: str | None = None  # ZMQ endpoint vLLM's publisher connects to
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
+               "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len), "--enforce-eager",
+               "--dtype", self.dtype, "--seed", "0", "--max-num-seqs", str(self.max_num_seqs),
+               "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+        if self.transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.transfer)]
+        if self.events_endpoint is not None:
+            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                      "endpoint": self.events_endpoint})]
+        return [*cmd, *self.extra_args]
+
+
+class Server:
+    """A running server: completions, metrics."""
+
+    def __init__(self, spec: ServerSpec, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.spec, self.proc, self.log = spec, proc, log
+        self.url = f"http://127.0.0.1:{spec.port}"
+
+    def complete(self, prompt: Sequence[int], max_tokens: int = 4, timeout_s: float = 300) -> list[int]:
+        """Greedy completion of ``prompt`` (token ids); the generated token ids."""
+        body = {"model": self.spec.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True}
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as reply:
+            return list(json.load(reply)["choices"][0]["token_ids"])
+
+    def metrics(self) -> Samples:
+        """Every sample of ``/metrics`` by name and labels (vLLM's engine labels left out)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ENGINE_LABELS))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+def metric(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value (0 when absent)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def metric_sum(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of every sample of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def _wait_ready(server: Server, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited ({server.proc.returncode}):\n{server.tail()}")
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the vLLM server did not start in {timeout_s:.0f}s:\n{server.tail()}")
+
+
+@contextmanager
+def running(spec: ServerSpec, log: Path, timeout_s: float = 600) -> Iterator[Server]:
+    """Start the server (kvtier importable from this checkout), wait for ``/health``, stop it on exit."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, **spec.env, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env.pop("VLLM_TARGET_DEVICE", None)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(spec.command(), stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(spec, proc, log)
+    try:
+        _wait_ready(server, timeout_s)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,268 @@
+"""One disk directory, several processes: whose namespaces are whose, the shared quota, and the manifests.
+
+The rule (the disk tier's docstring says why):
+
+* The directory has one quota, kept in its ledger (kvtier.tiers.disk.ledger): the capacity of the process that
+  created the ledger. A process configured with another capacity logs a warning; it keeps the directory's
+  quota for the whole directory and its own capacity for its own namespaces.
+* Every put reserves its bytes in the ledger under the lock. When the directory would go over its quota, the
+  process deletes its own namespaces' oldest records, then the oldest of namespaces no running process serves
+  (orphans). Only a process whose namespaces hold less than a fair share (the quota split evenly between the
+  namespaces running processes serve) deletes another running process's records: the oldest of the namespace
+  furthest over its share, never below that share. What still does not fit is refused.
+* A process's namespaces: those it was told of (``DiskTier.describe``) and those it writes; without a
+  description, at start also those whose directory has no manifest and that no other running process serves
+  (a ``TieredStore`` of raw keys adopts what its earlier run wrote).
+
+The blocking methods run in worker threads; the tier calls them with what it read on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvtier.keys import DIGEST_BYTES, Key
+from kvtier.manifest import read_manifest, same_namespace, write_manifest
+from kvtier.tiers.disk.index import SUFFIX, Layout, ScanResult
+from kvtier.tiers.disk.ledger import HOST, Ledger, LedgerState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Victim:
+    """A record the writer may delete to make room: its key, and whether it is ours (else an orphan's)."""
+
+    key: Key
+    own: bool
+
+
+@dataclass
+class Reservation:
+    """What a batch reserved: per item the bytes counted (None: refused), and the records deleted for room."""
+
+    counted: list[int | None] = field(default_factory=list)
+    evicted: dict[Key, int] = field(default_factory=dict)
+
+
+class SharedDirectory:
+    """This tier's membership of its directory's ledger."""
+
+    def __init__(self, name: str, layout: Layout, capacity: int) -> None:
+        self.name = name
+        self.layout = layout
+        self.capacity = capacity
+        self.ledger = Ledger(layout.root)
+        self.me = f"{HOST}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.quota = capacity  # the directory's, as last read
+        self.total = 0  # the directory's bytes, as last read
+        self.foreign: set[bytes] = set()  # namespaces other running processes serve, as last read
+        self.described: dict[bytes, dict[str, Any]] = {}
+        self.manifested: set[bytes] = set()
+
+    # ---- transactions (blocking) ----------------------------------------------------------------------
+    def _note(self, state: LedgerState, own: Sequence[bytes]) -> None:
+        """Register this member (its capacity, namespaces, last seen) and remember what the ledger says."""
+        member = state.members.setdefault(self.me, {"host": HOST, "pid": os.getpid(), "capacity": self.capacity,
+                                                    "namespaces": []})
+        known = set(member["namespaces"])
+        member["namespaces"] = member["namespaces"] + sorted(ns.hex() for ns in own if ns.hex() not in known)
+        member["seen"] = round(time.time(), 1)
+        self.quota = state.quota
+        self.total = state.total()
+        self.foreign = {bytes.fromhex(h) for h in state.claimed_by_others(self.me)}
+
+    def join(self, scan: Callable[[], ScanResult], own: Sequence[bytes]) -> ScanResult:
+        """Enter the ledger and scan the directory. The first process (or one alone with a fresh or
+        stale ledger) scans under the lock and recounts every namespace's bytes from the files."""
+        with self.ledger.locked(self.capacity) as state:
+            alone = not state.others(self.me)
+            result = scan() if alone or state.fresh else None
+            if result is not None:
+                _recount(state, result, set())
+            self._note(state, own)
+            self._warn_quota(state)
+        if result is None:  # others write meanwhile: recount only the namespaces none of them serves
+            result = scan()
+            with self.ledger.locked(self.capacity) as state:
+                _recount(state, result, state.claimed_by_others(self.me))
+                self._note(state, ())
+        return result
+
+    def _warn_quota(self, state: LedgerState) -> None:
+        if state.quota != self.capacity:
+            log.warning("disk tier %s: %s is shared with a quota of %d bytes (the capacity of the process that "
+                        "created %s); this tier's capacity of %d bytes limits its own namespaces only; give every "
+                        "process the same capacity, or remove that file while no process uses the directory",
+                        self.name, self.layout.root, state.quota, self.ledger.path, self.capacity)
+        for other in state.others(self.me):
+            if other.get("capacity") != self.capacity:
+                log.warning("disk tier %s: process %s shares %s with a capacity of %s bytes, this one %d",
+                            self.name, other.get("pid"), self.layout.root, other.get("capacity"), self.capacity)
+
+    def leave(self) -> None:
+        with self.ledger.locked(self.capacity) as state:
+            state.members.pop(self.me, None)
+
+    def claim(self, own: Sequence[bytes]) -> None:
+        """Name more namespaces as this member's; write the manifests of those with a directory."""
+        with self.ledger.locked(self.capacity) as state:
+            self._note(state, own)
+        self.write_manifests(own, True)
+
+    def store(self, items: Sequence[tuple[Key, T]], uppers: Sequence[int], victims: Sequence[Victim],
+              own: Sequence[bytes], write: Callable[[Sequence[tuple[Key, T]]], list[int | Exception]],
+              ) -> tuple[list[int | Exception | None], Reservation]:
+        """Reserve the items' bytes (``uppers``: file sizes at most) deleting ``victims`` for room as needed,
+        write the manifests of their namespaces, ``write`` the items that fit, and correct the ledger by what
+        they took. Per item: its file size, the error that dropped it, or None where the directory is full."""
+        room = self.reserve([(k, n) for (k, _), n in zip(items, uppers, strict=True)], victims, own)
+        self.write_manifests(sorted({k[:DIGEST_BYTES] for k, _ in items}), True)
+        written = iter(write([item for item, counted in zip(items, room.counted, strict=True) if counted is not None]))
+        out: list[int | Exception | None] = []
+        deltas: dict[bytes, int] = {}
+        for (key, _), upper, counted in zip(items, uppers, room.counted, strict=True):
+            result = None if counted is None else next(written)
+            out.append(result)
+            if counted is not None:
+                delta = result - upper if isinstance(result, int) else -counted
+                deltas[key[:DIGEST_BYTES]] = deltas.get(key[:DIGEST_BYTES], 0) + delta
+        try:
+            self.adjust(deltas)
+        except OSError as exc:
+            log.warning("disk tier %s: cannot correct the ledger of %s: %s", self.name, self.layout.root, exc)
+        return out, room
+
+    def reserve(self, items: Sequence[tuple[Key, int]], victims: Sequence[Victim], own: Sequence[bytes]) -> Reservation:
+        """Count each item's bytes (``(key, upper bound of its file size)``, less the file it replaces) if the
+        directory stays within its quota, deleting ``victims`` in order while it would not."""
+        out = Reservation()
+        with self.ledger.locked(self.capacity) as state:
+            self._note(state, own)
+            foreign = state.claimed_by_others(self.me)
+            total = state.total()
+            pending = iter(victims)
+            for key, upper in items:
+                need = upper - _size(self.layout.path(key))
+                while total + need > state.quota and (victim := next(pending, None)) is not None:
+                    if not victim.own and victim.key[:DIGEST_BYTES].hex() in foreign:
+                        continue  # a running process took that namespace up meanwhile
+                    total -= self._unlink(state, victim.key, out.evicted)
+                if total + need > state.quota:
+                    total -= self._fair_share(state, total + need - state.quota, out.evicted)
+                if total + need > state.quota:
+                    out.counted.append(None)
+                    continue
+                state.add(key[:DIGEST_BYTES].hex(), need)
+                total += need
+                out.counted.append(need)
+            self.total = total
+        return out
+
+    def _fair_share(self, state: LedgerState, wanted: int, evicted: dict[Key, int]) -> int:
+        """Free up to ``wanted`` bytes from the namespace furthest over its fair share (the quota split evenly
+        between the namespaces running processes serve), oldest files first, never taking it below its share,
+        and only while ours hold less than theirs; the bytes freed."""
+        mine = set(state.members.get(self.me, {}).get("namespaces", ()))
+        live = mine | state.claimed_by_others(self.me)
+        share = state.quota // max(1, len(live))
+        if sum(state.bytes.get(h, 0) for h in mine) + wanted > share:
+            return 0
+        richest = max((h for h in state.bytes if h not in mine), key=lambda h: state.bytes[h], default=None)
+        if richest is None or state.bytes[richest] <= share:
+            return 0
+        freed = 0
+        for key in _oldest(os.path.join(self.layout.root, richest)):
+            if freed >= wanted or state.bytes.get(richest, 0) <= share:
+                break
+            freed += self._unlink(state, key, evicted)
+        return freed
+
+    def _unlink(self, state: LedgerState, key: Key, evicted: dict[Key, int]) -> int:
+        path = self.layout.path(key)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            log.warning("disk tier %s: cannot remove %s: %s", self.name, path, exc)
+            return 0
+        state.add(key[:DIGEST_BYTES].hex(), -size)
+        evicted[key] = size
+        return size
+
+    def adjust(self, deltas: Mapping[bytes, int]) -> None:
+        """Correct the counts by ``deltas`` per namespace (writes that failed, compressed files)."""
+        if any(deltas.values()):
+            with self.ledger.locked(self.capacity) as state:
+                for space, n in deltas.items():
+                    state.add(space.hex(), n)
+                self.total = state.total()
+
+    def remove(self, keys: Sequence[Key]) -> dict[Key, int]:
+        """Delete record files and uncount them; return the size of each one that existed."""
+        removed: dict[Key, int] = {}
+        with self.ledger.locked(self.capacity) as state:
+            for key in keys:
+                self._unlink(state, key, removed)
+            self.total = state.total()
+        return removed
+
+    # ---- manifests (blocking) -------------------------------------------------------------------------
+    def write_manifests(self, spaces: Sequence[bytes], create: bool) -> None:
+        """Write the manifest of each described namespace whose directory exists (``create``: make it) and lacks
+        an equal one. A failure is logged: records do not depend on manifests."""
+        for space in spaces:
+            manifest = self.described.get(space)
+            if manifest is None or space in self.manifested:
+                continue
+            directory = os.path.join(self.layout.root, space.hex())
+            try:
+                if not os.path.isdir(directory):
+                    if not create:
+                        continue
+                    self.layout.make_dirs(directory)
+                found = read_manifest(directory)
+                if found is None or not same_namespace(found, manifest):
+                    write_manifest(directory, manifest)
+                self.manifested.add(space)
+            except OSError as exc:
+                log.warning("disk tier %s: cannot write the manifest of %s: %s", self.name, directory, exc)
+
+
+def _recount(state: LedgerState, result: ScanResult, keep: set[str]) -> None:
+    """Set every namespace's bytes to what ``result`` found, but for those in ``keep``."""
+    found: dict[str, int] = {}
+    for key, size in result.entries:
+        space = key[:DIGEST_BYTES].hex()
+        found[space] = found.get(space, 0) + size
+    state.bytes = {s: n for s, n in state.bytes.items() if s in keep}
+    state.bytes.update({s: n for s, n in found.items() if s not in keep and n > 0})
+
+
+def _oldest(directory: str) -> list[Key]:
+    """Keys of the record files under a namespace directory, oldest first."""
+    found: list[tuple[float, Key]] = []
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            if name.endswith(SUFFIX):
+                try:
+                    found.append((os.stat(os.path.join(dirpath, name)).st_mtime, bytes.fromhex(name[:-len(SUFFIX)])))
+                except (OSError, ValueError):
+                    continue
+    return [key for _, key in sorted(found)]
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0

@@ -1,0 +1,198 @@
+"""``kvtier stats``, ``inspect`` and ``purge`` on records written by the real disk and Redis tiers: in process
+through ``kvtier.cli.main`` and as the installed console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from test_catalog import HOUR, NS_A, NS_B, age, fill_disk, key, write_manifest
+
+from kvtier import cli
+from kvtier.bench.redis_servers import RedisServer
+from kvtier.codec import HEADER_SIZE
+from kvtier.config import RedisTierConfig
+from kvtier.tiers.redis.tier import RedisTier
+
+KVTIER = Path(sys.executable).parent / "kvtier"
+RECORD = HEADER_SIZE + 128  # 64 float16
+
+
+def config(tmp_path: Path, redis_url: str | None = None, prefix: str = "kvtier") -> str:
+    lines = ["tiers:", "  - {name: cpu, kind: cpu, capacity: 1MiB}",
+             f"  - {{name: disk, kind: disk, capacity: 1GiB, path: '{tmp_path / 'disk'}'}}"]
+    if redis_url:
+        lines.append(f"  - {{name: redis, kind: redis, capacity: 1GiB, url: '{redis_url}', key_prefix: {prefix}, "
+                     f"connect_timeout: 0.5}}")
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+async def cache(tmp_path: Path) -> Path:
+    """Two namespaces on disk: A (model-a, 3 records, 2 h old) and B (model-b, 4 records, 10 days old)."""
+    root = tmp_path / "disk"
+    await fill_disk(root, NS_A, 3)
+    await fill_disk(root, NS_B, 4)
+    write_manifest(root, NS_A, "model-a")
+    write_manifest(root, NS_B, "model-b")
+    age(root, NS_A, 2 * HOUR)
+    age(root, NS_B, 10 * 86400)
+    return root
+
+
+def kvtier(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def files(root: Path, ns: bytes) -> int:
+    return len(list((root / ns.hex()).rglob("*.kvt")))
+
+
+def test_stats_table_and_json(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = config(tmp_path)
+    rc, out, err = kvtier(capsys, "stats", "--config", cfg)
+    assert rc == 0 and err == ""
+    assert "cpu (cpu): in-process only, not inspectable offline" in out
+    assert f"disk (disk, {cache}): 2 namespace(s), 7 records" in out
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith(NS_A.hex()))
+    assert row[1:3] == ["3", str(3 * RECORD)] and "model-a" in row
+    rc, out, _ = kvtier(capsys, "stats", "--config", cfg, "--tier", "disk", "--json")
+    rep = json.loads(out)
+    [disk] = rep["tiers"]
+    assert rc == 0 and rep["ok"] and disk["records"] == 7 and disk["bytes"] == 7 * RECORD
+    by_ns = {n["namespace"]: n for n in disk["namespaces"]}
+    assert by_ns[NS_B.hex()]["records"] == 4 and by_ns[NS_B.hex()]["manifest"]["model"] == "model-b"
+    assert time.time() - by_ns[NS_B.hex()]["newest"] > 9 * 86400
+
+
+def test_unreachable_redis_is_one_line_and_exit_1(tmp_path: Path, cache: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = kvtier(capsys, "stats", "--config", config(tmp_path, "redis://127.0.0.1:1/0"))
+    assert rc == 1
+    [line] = [line for line in out.splitlines() if line.startswith("redis ")]
+    assert line.startswith("redis (redis, redis://127.0.0.1:1/0): unreachable: ")
+    assert "7 records" in out  # the disk tier is still shown
+
+
+async def test_redis_tier_in_stats_and_purge(tmp_path: Path, cache: Path, redis_server: RedisServer,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = f"s{uuid.uuid4().hex[:8]}"
+    tier = RedisTier(RedisTierConfig(name="redis", capacity=1 << 30, url=redis_server.url, key_prefix=prefix,
+                                     timeout=5.0))
+    await tier.start()
+    try:
+        await tier.put([(key(NS_A, i), torch.ones(16)) for i in range(5)])
+    finally:
+        await tier.close()
+    cfg = config(tmp_path, redis_server.url, prefix)
+    rc, out, _ = kvtier(capsys, "stats", "--config", cfg, "--tier", "redis", "--json")
+    [redis_tier] = json.loads(out)["tiers"]
+    assert rc == 0 and redis_tier["records"] == 5 and redis_tier["bytes"] == 5 * tier.stored_size(64)
+    assert redis_tier["namespaces"][0]["oldest"] is None  # no ttl: age unknown
+    rc, out, _ = kvtier(capsys, "purge", "--config", cfg, "--namespace", NS_A.hex(), "--yes")
+    assert rc == 0
+    assert f"redis: deleted 5 records, {5 * tier.stored_size(64)} bytes" in out
+    assert f"disk: deleted 3 records, {3 * RECORD} bytes" in out
+    assert files(cache, NS_A) == 0 and files(cache, NS_B) == 4
+
+
+def test_inspect_lists_and_verifies(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = config(tmp_path)
+    rc, out, _ = kvtier(capsys, "inspect", "--config", cfg, "--namespace", NS_B.hex(), "--limit", "2", "--json")
+    [block] = json.loads(out)["tiers"]
+    assert rc == 0 and block["records"] == 4 and len(block["shown"]) == 2
+    assert block["shown"][0]["dtype"] == "float16" and block["shown"][0]["shape"] == [64]
+    assert block["shown"][0]["codec"] == "raw"
+    rc, out, _ = kvtier(capsys, "inspect", "--config", cfg, "--key", key(NS_A, 1).hex())
+    assert rc == 0 and "check ok" in out and "dtype float16, shape [64]" in out
+    [path] = (cache / NS_A.hex()).rglob(f"{key(NS_A, 1).hex()}.kvt")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    rc, out, _ = kvtier(capsys, "inspect", "--config", cfg, "--key", key(NS_A, 1).hex())
+    assert rc == 1 and "check FAILED: payload checksum mismatch" in out
+    rc, out, _ = kvtier(capsys, "inspect", "--config", cfg, "--key", key(NS_A, 99).hex())
+    assert rc == 1 and "is in no tier" in out
+
+
+def test_purge_by_model_dry_run_and_age(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = config(tmp_path)
+    rc, out, _ = kvtier(capsys, "purge", "--config", cfg, "--model", "model-a", "--dry-run")
+    assert rc == 0 and f"disk: would delete 3 records, {3 * RECORD} bytes" in out and "nothing deleted" in out
+    assert files(cache, NS_A) == 3
+    rc, out, _ = kvtier(capsys, "purge", "--config", cfg, "--model", "model-a", "--yes")
+    assert rc == 0 and f"disk: deleted 3 records, {3 * RECORD} bytes" in out
+    assert "cpu: in-process only" in out
+    assert (files(cache, NS_A), files(cache, NS_B)) == (0, 4)
+    rc, out, _ = kvtier(capsys, "purge", "--config", cfg, "--older-than", "11d", "--yes")
+    assert rc == 0 and "disk: deleted 0 records" in out and files(cache, NS_B) == 4
+    rc, out, _ = kvtier(capsys, "purge", "--config", cfg, "--older-than", "7d", "--yes", "--json")
+    assert rc == 0 and json.loads(out)["tiers"]["disk"]["deleted"] == 4 and files(cache, NS_B) == 0
+
+
+def test_purge_leaves_a_ledger_to_its_owner(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = cache / ".kvtier-ledger"
+    ledger.write_text("ledger")
+    rc, out, _ = kvtier(capsys, "purge", "--config", config(tmp_path), "--all", "--yes")
+    assert rc == 0 and "disk: deleted 7 records" in out and "reconciles it at its next start" in out
+    assert ledger.read_text() == "ledger"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["purge", "--config", "{cfg}"], "say what to delete"),
+    (["purge", "--config", "{cfg}", "--all", "--model", "m"], "do not combine"),
+    (["purge", "--config", "{cfg}", "--older-than", "soon"], "--older-than: bad duration"),
+    (["purge", "--config", "{cfg}", "--namespace", "abc"], "--namespace: expected 32 hex digits"),
+    (["inspect", "--config", "{cfg}"], "give either --namespace HEX or --key HEX"),
+    (["stats", "--config", "{cfg}", "--tier", "nope"], "no tier named 'nope'"),
+    (["stats", "--config", "{missing}"], "not found"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                      message: str) -> None:
+    cfg = config(tmp_path)
+    rc, _, err = kvtier(capsys, *[a.format(cfg=cfg, missing=tmp_path / "none.yaml") for a in args])
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("kvtier: error: ") and message in err
+
+
+def test_purge_refuses_without_yes_when_not_a_terminal(tmp_path: Path, cache: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run([str(KVTIER), "purge", "--config", config(tmp_path), "--all"], capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, env=env, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "pass --yes" in proc.stderr
+    assert f"disk: would delete 7 records, {7 * RECORD} bytes" in proc.stdout
+    assert files(cache, NS_A) == 3 and files(cache, NS_B) == 4
+    proc = subprocess.run([str(KVTIER), "stats", "--config", config(tmp_path), "--json"], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["tiers"][1]["records"] == 7
+
+
+@pytest.mark.parametrize(("answer", "left"), [(b"n\n", 7), (b"y\n", 0)])
+def test_purge_asks_on_a_terminal(tmp_path: Path, cache: Path, answer: bytes, left: int) -> None:
+    import pty
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    try:
+        proc = subprocess.Popen([str(KVTIER), "purge", "--config", config(tmp_path), "--all"], stdin=slave,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        os.write(master, answer)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert proc.returncode == 0, err
+    assert "delete 7 records" in out and "[y/N]" in out
+    assert files(cache, NS_A) + files(cache, NS_B) == left
+    assert ("nothing deleted" in out) == (left == 7)

@@ -1,25 +1,18 @@
 """Run ``kvtier bench overhead`` from a checkout: ``python benchmarks/overhead.py [--quick] [options]``.
 
-Results go to benchmarks/results/ (see kvtier/bench/overhead.py for what is measured and how).
+The same as ``kvtier bench overhead [options]`` (this checkout's kvtier, its parser and its error handling: a bad
+option is one line and exit 2). Results go to benchmarks/results/ under the current directory, or ``--out DIR``
+(see kvtier/bench/overhead.py for what is measured and how).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtier.bench import overhead
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/overhead.py", description=overhead.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    overhead.add_arguments(parser)
-    return overhead.run(parser.parse_args())
-
+from kvtier.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "overhead", *sys.argv[1:]]))

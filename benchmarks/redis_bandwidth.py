@@ -25,16 +25,21 @@ import resource
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvtier.config import RedisTierConfig
-from kvtier.tiers.redis.tier import RedisTier
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # kvtier from this checkout
+
+import torch  # noqa: E402
+
+from benchmarks.script_run import missing, run_checked  # noqa: E402
+from kvtier.cli import KvtierParser, positive_int  # noqa: E402
+from kvtier.config import RedisTierConfig  # noqa: E402
+from kvtier.tiers.redis.tier import RedisTier  # noqa: E402
+
 MIB = 1 << 20
 RESULTS = ROOT / "benchmarks" / "results"
 CLIENTS = ["kvtier", "redis-py", "redis-benchmark"]
@@ -48,10 +53,11 @@ REFERENCE = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of this benchmark (also used by a ``kvtier bench`` wrapper)."""
     parser.add_argument("--quick", action="store_true", help="small batches, CI-sized (< 60 s)")
-    parser.add_argument("--reps", type=int, default=3, help="rounds per client (medians reported)")
-    parser.add_argument("--mib", type=int, default=256, help="MiB moved per batch and size")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 32], help="record sizes in MiB")
-    parser.add_argument("--connections", type=int, default=4, help="parallel connections (kvtier, redis-benchmark)")
+    parser.add_argument("--reps", type=positive_int, default=3, help="rounds per client (medians reported)")
+    parser.add_argument("--mib", type=positive_int, default=256, help="MiB moved per batch and size")
+    parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1, 4, 32], help="record sizes in MiB")
+    parser.add_argument("--connections", type=positive_int, default=4,
+                        help="parallel connections (kvtier, redis-benchmark)")
     parser.add_argument("--out", type=Path, default=RESULTS / "redis_bandwidth.json")
     parser.add_argument("--no-plot", action="store_true")
 
@@ -259,11 +265,23 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    """Exit code: 0; 1 when the run failed (the server did not start, a client lost records); 2 for a bad option
+    or a missing dependency; 130 on Ctrl-C. Every error is one line."""
+    parser = KvtierParser(prog="benchmarks/redis_bandwidth.py", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    asyncio.run(run(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    need = missing(("redis-server", "redis-benchmark"), "the benchmark starts its own server on a free port",
+                   args.out)
+    return run_checked("redis_bandwidth", need, lambda: _run_and_name(args))
+
+
+def _run_and_name(args: argparse.Namespace) -> int:
+    asyncio.run(run(args))
+    print(f"results: {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

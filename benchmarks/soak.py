@@ -34,9 +34,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # kvtier from this checkout
 
-import redis  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.script_run import missing, run_checked  # noqa: E402
+from kvtier.cli import KvtierParser, non_negative_int, positive_int  # noqa: E402
 from kvtier.config import KvtierConfig, load_config  # noqa: E402
 from kvtier.engine import Engine, EngineArgs, KVTierPair, ModelConfig, RequestSpec  # noqa: E402
 from kvtier.engine.harness import RunRecord, run_waves  # noqa: E402
@@ -138,6 +139,8 @@ class FaultInjector:
     def redis_corrupt(self) -> None:
         if self._down:
             return
+        import redis  # the redis extra: main() checks for it
+
         client = redis.Redis(host="127.0.0.1", port=self.server.port, socket_timeout=5)
         try:
             names = sorted(client.scan_iter(count=1000))
@@ -254,14 +257,27 @@ def summary(fig: dict[str, Any]) -> str:
             f"{fig['within_capacity']}; slowest step {fig['max_step_seconds']} s")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/soak.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--waves", type=int, default=200)
-    parser.add_argument("--requests", type=int, default=6, help="requests per wave")
-    parser.add_argument("--seed", type=int, default=0)
+def main(argv: list[str] | None = None) -> int:
+    """Exit code: 0; 1 when a check failed (wrong answers, leaks, over capacity) or the run did; 2 for a bad
+    option or a missing dependency; 130 on Ctrl-C. Every error is one line."""
+    parser = KvtierParser(prog="benchmarks/soak.py", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--waves", type=positive_int, default=200)
+    parser.add_argument("--requests", type=positive_int, default=6, help="requests per wave")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    return run_checked("soak", missing(("redis-server", "redis-cli"), "the soak starts, kills and restarts its own "
+                                       "server", args.out), lambda: _verdict(_soak(args)))
+
+
+def _verdict(fig: dict[str, Any]) -> int:
+    ok = fig["wrong_answers"] == 0 and fig["leaked_blocks"] == 0 and fig["within_capacity"] and \
+        fig["directory_pins"] == fig["directory_pending"] == fig["temp_files"] == 0
+    return 0 if ok else 1
+
+
+def _soak(args: argparse.Namespace) -> dict[str, Any]:
     from kvtier.bench.redis_servers import RedisServer
 
     spec = SoakSpec(waves=args.waves, requests=args.requests, seed=args.seed)
@@ -271,10 +287,8 @@ def main() -> int:
     print(summary(fig))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(fig, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    ok = fig["wrong_answers"] == 0 and fig["leaked_blocks"] == 0 and fig["within_capacity"] and \
-        fig["directory_pins"] == fig["directory_pending"] == fig["temp_files"] == 0
-    return 0 if ok else 1
+    print(f"results: {args.out}")
+    return fig
 
 
 def _cpus() -> int:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, KvtierConfig
 from kvtier.directory import Directory, TierSlot
+from kvtier.errors import ConfigError
 from kvtier.layout import UNSERVED, KVCacheConfig
 from kvtier.policy import make_policy
 from kvtier.tiers import Tier, make_tier
@@ -110,8 +111,12 @@ async def start_tiers(tiers: Sequence[Tier], role: Role, directory: Directory | 
 
 
 async def _start(tier: Tier, tolerate: bool) -> bool:
+    """Start ``tier``; with ``tolerate`` (the scheduler) a tier that fails to start is logged and skipped, but a
+    ``ConfigError`` is raised in every role: a bad config is the user's to fix, in one line naming the key."""
     try:
         await tier.start()
+    except ConfigError:
+        raise
     except Exception as exc:
         if not tolerate:
             raise

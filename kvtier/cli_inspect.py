@@ -93,17 +93,16 @@ def _render_copy(e: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """List or verify; see the module docstring for exit codes."""
-    from kvtier.catalog import InProcess, open_sources
+    from kvtier.catalog import offline_sources
 
     namespace, key = hex_arg(args.namespace, 16, "--namespace"), hex_arg(args.key, 32, "--key")
     if (namespace is None) == (key is None):
         raise ConfigError("inspect", "give either --namespace HEX or --key HEX")
     cfg = load(args.config)
-    sources = [s for s in open_sources(cfg, args.tier) if not isinstance(s, InProcess)]
     hmac_key = _signing_key(cfg) if key is not None else None
     out: dict[str, Any] = {"tiers": [], "unreachable": {}}
     lines: list[str] = []
-    try:
+    with offline_sources(cfg, args.tier) as (sources, _):
         for source in sources:
             try:
                 if key is not None:
@@ -117,9 +116,6 @@ def run(args: argparse.Namespace) -> int:
             except TierUnavailable as exc:
                 out["unreachable"][source.name] = str(exc)
                 lines.append(f"{source.name}: unreachable: {exc}")
-    finally:
-        for source in sources:
-            source.close()
     return _finish(args, out, lines, key)
 
 

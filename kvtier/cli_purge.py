@@ -107,14 +107,11 @@ def _lines(report: dict[str, Any], done: bool) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, confirm, delete, report; see the module docstring for exit codes."""
-    from kvtier.catalog import InProcess, open_sources
+    from kvtier.catalog import offline_sources
 
     chosen = selection(args)
-    sources = open_sources(load(args.config), args.tier)
-    report: dict[str, Any] = {"tiers": {}, "unreachable": {}, "skipped": [s.name for s in sources
-                                                                            if isinstance(s, InProcess)]}
-    live = [s for s in sources if not isinstance(s, InProcess)]
-    try:
+    with offline_sources(load(args.config), args.tier) as (live, skipped):
+        report: dict[str, Any] = {"tiers": {}, "unreachable": {}, "skipped": skipped}
         plans = _plans(live, chosen, report)
         count = sum(len(r) for _, r in plans)
         nbytes = sum(x.size for _, r in plans for x in r)
@@ -128,9 +125,6 @@ def run(args: argparse.Namespace) -> int:
                 return 0
         if go:
             _delete(plans, report)
-    finally:
-        for source in live:
-            source.close()
     report["dry_run"], report["deleted"] = bool(args.dry_run), go
     lines = _lines(report, done=go) + (["dry run: nothing deleted"] if args.dry_run else [])
     print(json.dumps(report, indent=2) if args.json else "\n".join(lines))

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtier.keys import DIGEST_BYTES, Namespace
+from kvtier.tiers.disk.files import open_temp, write_and_rename
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -60,20 +61,7 @@ def write_manifest(directory: str, manifest: Mapping[str, Any]) -> None:
     final = os.path.join(directory, MANIFEST_NAME)
     tmp = f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     data = json.dumps(dict(manifest), indent=1, sort_keys=True).encode() + b"\n"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, final)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_and_rename(open_temp(tmp), tmp, final, [data])
 
 
 def read_manifest(directory: str) -> dict[str, Any] | None:

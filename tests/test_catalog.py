@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import torch
+from redis_helpers import Make, fresh_prefix, started_tiers
 
 from kvtier.bench.redis_servers import RedisClusterServers, RedisServer
 from kvtier.catalog import InProcess, Selection, open_sources, plan, summarize
@@ -108,13 +108,19 @@ def test_unreadable_manifest_is_said(tmp_path: Path) -> None:
     assert n.description == "unknown (manifest not a version-1 kvtier manifest)"
 
 
-async def test_purge_plan_by_model_namespace_and_age(tmp_path: Path) -> None:
-    root = tmp_path / "disk"
+async def two_models(root: Path) -> Path:
+    """Two namespaces on disk under ``root``: A (model-a, 3 records, 2 h old), B (model-b, 4 records, 10 days old)."""
     await fill_disk(root, NS_A, 3)
     await fill_disk(root, NS_B, 4)
     write_manifest(root, NS_A, "model-a")
     write_manifest(root, NS_B, "model-b")
+    age(root, NS_A, 2 * HOUR)
     age(root, NS_B, 10 * 86400)
+    return root
+
+
+async def test_purge_plan_by_model_namespace_and_age(tmp_path: Path) -> None:
+    root = await two_models(tmp_path / "disk")
     source = DiskSource(DiskTierConfig(name="disk", capacity=1, path=str(root)))
     assert {r.namespace for r in plan(source, Selection(model="model-a"))} == {NS_A.hex()}
     assert len(plan(source, Selection(model="model-a"))) == 3
@@ -147,23 +153,10 @@ def test_describe_in_plain_words() -> None:
 
 # -- Redis --------------------------------------------------------------------------------------------------
 
-Make = Callable[..., Awaitable[RedisTier]]
-
-
 @pytest.fixture
-async def make_redis() -> AsyncIterator[Make]:
-    tiers: list[RedisTier] = []
-
-    async def build(url: str, prefix: str, **kw: Any) -> RedisTier:
-        tier = RedisTier(RedisTierConfig(name="redis", capacity=1 << 30, url=url, key_prefix=prefix, timeout=5.0,
-                                         **kw))
-        await tier.start()
-        tiers.append(tier)
-        return tier
-
-    yield build
-    for tier in tiers:
-        await tier.close()
+async def make_redis(redis_server: RedisServer) -> AsyncIterator[Make]:
+    async with started_tiers(redis_server.url) as make:
+        yield make
 
 
 def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -174,8 +167,8 @@ def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 async def test_redis_records_manifests_ages_and_purge(make_redis: Make, redis_server: RedisServer) -> None:
-    prefix = f"c{uuid.uuid4().hex[:8]}"
-    tier = await make_redis(redis_server.url, prefix, ttl=HOUR)
+    prefix = fresh_prefix("c")
+    tier = await make_redis(key_prefix=prefix, ttl=HOUR)
     big = torch.zeros(3 << 20, dtype=torch.float16)  # 6 MiB: stored as a head and parts
     small = [(key(NS_A, i), torch.arange(64, dtype=torch.float16)) for i in range(3)]
     assert await tier.put([*small, (key(NS_B, 0), big)]) == [True] * 4
@@ -201,8 +194,8 @@ async def test_redis_records_manifests_ages_and_purge(make_redis: Make, redis_se
 
 
 async def test_redis_without_ttl_has_no_age(make_redis: Make, redis_server: RedisServer) -> None:
-    prefix = f"c{uuid.uuid4().hex[:8]}"
-    tier = await make_redis(redis_server.url, prefix)
+    prefix = fresh_prefix("c")
+    tier = await make_redis(key_prefix=prefix)
     await tier.put([(key(NS_A, 1), torch.ones(8))])
     source = RedisSource(tier.section, env={})
     try:
@@ -216,8 +209,8 @@ async def test_redis_without_ttl_has_no_age(make_redis: Make, redis_server: Redi
 
 
 async def test_redis_cluster_scans_every_node(make_redis: Make, redis_cluster: RedisClusterServers) -> None:
-    prefix = f"c{uuid.uuid4().hex[:8]}"
-    tier = await make_redis(redis_cluster.url, prefix)
+    prefix = fresh_prefix("c")
+    tier = await make_redis(redis_cluster.url, key_prefix=prefix)
     assert all(await tier.put([(key(NS_A, i), torch.ones(16)) for i in range(40)]))
     source = RedisSource(tier.section, env={})
     try:

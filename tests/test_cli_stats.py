@@ -8,18 +8,16 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from test_catalog import HOUR, NS_A, NS_B, age, fill_disk, key, write_manifest
+from redis_helpers import fresh_prefix, started_tiers
+from test_catalog import NS_A, NS_B, key, two_models
 
 from kvtier import cli
 from kvtier.bench.redis_servers import RedisServer
 from kvtier.codec import HEADER_SIZE
-from kvtier.config import RedisTierConfig
-from kvtier.tiers.redis.tier import RedisTier
 
 KVTIER = Path(sys.executable).parent / "kvtier"
 RECORD = HEADER_SIZE + 128  # 64 float16
@@ -38,15 +36,8 @@ def config(tmp_path: Path, redis_url: str | None = None, prefix: str = "kvtier")
 
 @pytest.fixture
 async def cache(tmp_path: Path) -> Path:
-    """Two namespaces on disk: A (model-a, 3 records, 2 h old) and B (model-b, 4 records, 10 days old)."""
-    root = tmp_path / "disk"
-    await fill_disk(root, NS_A, 3)
-    await fill_disk(root, NS_B, 4)
-    write_manifest(root, NS_A, "model-a")
-    write_manifest(root, NS_B, "model-b")
-    age(root, NS_A, 2 * HOUR)
-    age(root, NS_B, 10 * 86400)
-    return root
+    """``two_models``: A (model-a, 3 records, 2 h old) and B (model-b, 4 records, 10 days old)."""
+    return await two_models(tmp_path / "disk")
 
 
 def kvtier(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -87,14 +78,10 @@ def test_unreachable_redis_is_one_line_and_exit_1(tmp_path: Path, cache: Path,
 
 async def test_redis_tier_in_stats_and_purge(tmp_path: Path, cache: Path, redis_server: RedisServer,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    prefix = f"s{uuid.uuid4().hex[:8]}"
-    tier = RedisTier(RedisTierConfig(name="redis", capacity=1 << 30, url=redis_server.url, key_prefix=prefix,
-                                     timeout=5.0))
-    await tier.start()
-    try:
+    prefix = fresh_prefix("s")
+    async with started_tiers(redis_server.url, prefix) as make:
+        tier = await make()
         await tier.put([(key(NS_A, i), torch.ones(16)) for i in range(5)])
-    finally:
-        await tier.close()
     cfg = config(tmp_path, redis_server.url, prefix)
     rc, out, _ = kvtier(capsys, "stats", "--config", cfg, "--tier", "redis", "--json")
     [redis_tier] = json.loads(out)["tiers"]
@@ -196,3 +183,41 @@ def test_purge_asks_on_a_terminal(tmp_path: Path, cache: Path, answer: bytes, le
     assert "delete 7 records" in out and "[y/N]" in out
     assert files(cache, NS_A) + files(cache, NS_B) == left
     assert ("nothing deleted" in out) == (left == 7)
+
+
+# a kvtier command that says on its last stderr line whether torch was imported
+WITHOUT_TORCH = ("import sys\nfrom kvtier import cli\nrc = cli.main(sys.argv[1:])\n"
+                 "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)\n"
+                 "sys.exit(rc)")
+
+
+def kvtier_alone(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, env=env, timeout=120, check=False)
+
+
+async def test_inspect_and_purge_of_redis_import_no_torch(tmp_path: Path, redis_server: RedisServer) -> None:
+    """A Redis-only config: reading a record in parts (inspect --key) and deleting records and their parts
+    (purge) need the record layout only, not torch (about 2 s and 300 MB to import)."""
+    prefix = fresh_prefix("n")
+    big = torch.zeros(3 << 20, dtype=torch.float16)  # 6 MiB: a head and parts
+    async with started_tiers(redis_server.url, prefix) as make:
+        tier = await make()
+        assert await tier.put([(key(NS_A, 0), big), (key(NS_A, 1), torch.ones(16))]) == [True, True]
+    cfg = tmp_path / "redis.yaml"
+    cfg.write_text(f"tiers:\n  - {{name: redis, kind: redis, capacity: 1GiB, url: '{redis_server.url}', "
+                   f"key_prefix: {prefix}}}\n")
+    shown = kvtier_alone("inspect", "--config", str(cfg), "--key", key(NS_A, 0).hex())
+    assert shown.returncode == 0 and "check ok" in shown.stdout, shown.stderr
+    assert shown.stderr.splitlines()[-1] == "torch not imported"
+    listed = kvtier_alone("inspect", "--config", str(cfg), "--namespace", NS_A.hex())
+    assert listed.returncode == 0 and "redis: 2 records" in listed.stdout, listed.stderr
+    assert listed.stderr.splitlines()[-1] == "torch not imported"
+    purged = kvtier_alone("purge", "--config", str(cfg), "--all", "--yes")
+    assert purged.returncode == 0, purged.stderr
+    assert f"redis: deleted 2 records, {tier.stored_size(big.nbytes) + tier.stored_size(64)} bytes" in purged.stdout
+    assert purged.stderr.splitlines()[-1] == "torch not imported"
+    counted = kvtier_alone("stats", "--config", str(cfg), "--json")
+    assert json.loads(counted.stdout)["tiers"][0]["records"] == 0
+    assert counted.stderr.splitlines()[-1] == "torch not imported"

@@ -19,8 +19,10 @@ import asyncio
 import contextlib
 import io
 import os
+import shutil
 import socket
 import time
+import urllib.parse
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -42,6 +44,7 @@ from kvtier.bench.measure import (
     touched,
 )
 from kvtier.bench.redis_servers import redis_server
+from kvtier.errors import KvtierError
 from kvtier.tiers.disk.io import READ_STREAMS, SMALL_RECORD
 
 if TYPE_CHECKING:
@@ -202,10 +205,26 @@ def _bench_disk_load(run: Runner, tier: Any, keys: list[bytes], tier_paths: list
 
 
 def redis_context(settings: Settings) -> contextlib.AbstractContextManager[str]:
-    """The Redis to measure: ``--redis-url``, or a private server on a free loopback port."""
+    """The Redis to measure: ``--redis-url`` (reachable, else a KvtierError naming it), or a private server on a
+    free loopback port (``redis-server`` on PATH, else a KvtierError)."""
     if settings.redis_url:
+        _check_reachable(settings.redis_url)
         return contextlib.nullcontext(settings.redis_url)
+    if shutil.which("redis-server") is None:
+        raise KvtierError("--tiers redis: redis-server is not on PATH (apt-get install redis-server), or give "
+                          "--redis-url URL, or drop redis from --tiers")
     return redis_server(maxmemory=f"{max(1 << 30, 4 * settings.batch_bytes)}")
+
+
+def _check_reachable(url: str) -> None:
+    """Raise a one-line KvtierError when nothing accepts a connection at ``url``'s host and port."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    try:
+        socket.create_connection((host, port), timeout=5.0).close()
+    except OSError as exc:
+        raise KvtierError(f"--redis-url: cannot reach {url} ({exc.strerror or exc}): start Redis there, or drop "
+                          "redis from --tiers") from None
 
 
 def bench_redis(run: Runner, url: str, chunk_bytes: int) -> None:

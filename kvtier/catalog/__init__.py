@@ -3,7 +3,8 @@
 Use: ``sources = open_sources(cfg)`` (one per tier; memory tiers are :class:`InProcess` placeholders, since
 their records live only in a running process) -> ``summarize(source)`` (records, bytes, oldest / newest and the
 namespace's manifest, per namespace) / ``source.records(namespace)`` / ``source.read(key)`` ->
-``plan(source, Selection(...))`` then ``source.delete(records)`` -> ``source.close()``.
+``plan(source, Selection(...))`` then ``source.delete(records)`` -> ``source.close()``
+(:func:`offline_sources`: the readable ones, closed at the end of a ``with`` block).
 
 Sources: :class:`kvtier.catalog.disk.DiskSource` (record files, the root and its ``tp<rank>-of-<size>``
 rank directories) and :class:`kvtier.catalog.redis.RedisSource` (SCAN per server or cluster node). A tier that
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -180,6 +182,19 @@ def open_sources(cfg: KvtierConfig, tier: str | None = None, env: Mapping[str, s
     return out
 
 
+@contextmanager
+def offline_sources(cfg: KvtierConfig, tier: str | None = None) -> Iterator[tuple[list[Source], list[str]]]:
+    """``open_sources`` split for ``kvtier inspect`` and ``purge``: the sources readable offline and the names of the
+    in-process tiers passed over; the sources are closed when the block ends."""
+    found = open_sources(cfg, tier)
+    live = [s for s in found if not isinstance(s, InProcess)]
+    try:
+        yield live, [s.name for s in found if isinstance(s, InProcess)]
+    finally:
+        for source in live:
+            source.close()
+
+
 def summarize(source: Source | InProcess) -> TierSummary:
     """Records, bytes and age per namespace of one tier; an unreadable tier is reported, not raised."""
     if isinstance(source, InProcess):
@@ -211,4 +226,4 @@ def plan(source: Source, selection: Selection, now: float | None = None) -> list
 
 
 __all__ = ["IN_PROCESS", "InProcess", "NamespaceSummary", "RecordInfo", "Selection", "Source", "TierSummary",
-           "open_sources", "plan", "summarize"]
+           "offline_sources", "open_sources", "plan", "summarize"]

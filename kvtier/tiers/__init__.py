@@ -9,6 +9,7 @@ tier and the fix when that library is missing (:func:`require_extra`), never wit
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from kvtier.config import KvtierConfig, TierConfig
@@ -57,8 +58,12 @@ def tier_class(kind: str, path: str | None = None) -> type[Tier]:
 
 def make_tier(section: TierConfig, *, hmac_key: bytes | None = None, path: str | None = None) -> Tier:
     """Construct (not start) the tier for a config section: ``Cls(section, hmac_key=hmac_key)``. ``path`` is the
-    section's key path (``tiers[1]``) for errors; without it they name the tier."""
-    # tier constructors take (section, *, hmac_key), not Tier's own
+    section's key path (``tiers[1]``) for errors; without it they name the tier. A tier whose constructor takes
+    ``key_path`` (disk: its errors name ``tiers[1].path``) gets ``path`` as it."""
+    # tier constructors take (section, *, hmac_key[, key_path]), not Tier's own
     cls: Any = tier_class(section.kind, path or f"tier {section.name!r}")
-    tier: Tier = cls(section, hmac_key=hmac_key)
+    if path is not None and "key_path" in inspect.signature(cls).parameters:
+        tier: Tier = cls(section, hmac_key=hmac_key, key_path=path)
+    else:
+        tier = cls(section, hmac_key=hmac_key)
     return tier

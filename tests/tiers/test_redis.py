@@ -8,25 +8,21 @@ import gc
 import subprocess
 import sys
 import textwrap
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 import torch
 from contract import assert_same, rand
+from redis_helpers import Make, started_tiers
 
 from kvtier import codec
 from kvtier.bench.redis_servers import RedisClusterServers, RedisServer
-from kvtier.config import RedisTierConfig
 from kvtier.tiers.redis.bulk import part_name, parts_of
-from kvtier.tiers.redis.tier import RedisTier
 
 NS_A = b"namespace-A-0000"
 NS_B = b"namespace-B-0000"
-Make = Callable[..., Awaitable[RedisTier]]
 
 
 def k(i: int, ns: bytes = NS_A) -> bytes:
@@ -36,22 +32,8 @@ def k(i: int, ns: bytes = NS_A) -> bytes:
 @pytest.fixture
 async def make(redis_server: RedisServer) -> AsyncIterator[Make]:
     """Build and start tiers on the shared server; a fresh key prefix per test unless one is given."""
-    prefix = f"t{uuid.uuid4().hex[:8]}"
-    tiers: list[RedisTier] = []
-
-    async def build(url: str | None = None, hmac_key: bytes | None = None, **kw: Any) -> RedisTier:
-        kw.setdefault("key_prefix", prefix)
-        kw.setdefault("timeout", 5.0)
-        section = RedisTierConfig(name="redis", capacity=kw.pop("capacity", 1 << 30), url=url or redis_server.url,
-                                  **kw)
-        tier = RedisTier(section, hmac_key=hmac_key)
-        await tier.start()
-        tiers.append(tier)
-        return tier
-
-    yield build
-    for tier in tiers:
-        await tier.close()
+    async with started_tiers(redis_server.url) as build:
+        yield build
 
 
 @pytest.fixture

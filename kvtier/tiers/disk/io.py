@@ -29,6 +29,7 @@ from kvtier.codec import (
 from kvtier.errors import CorruptRecord
 from kvtier.keys import Key
 from kvtier.layout import dtype_name
+from kvtier.tiers.disk.files import fsync_dir, open_temp, write_and_rename
 from kvtier.tiers.disk.index import Layout
 from kvtier.tiers.memory.recycle import Recycler
 
@@ -48,48 +49,15 @@ def write_record(layout: Layout, key: Key, tensor: torch.Tensor, compression: st
     layout.make_dirs(directory)
     tmp = layout.temp_path(final)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = open_temp(tmp)
     except FileNotFoundError:  # the directory was removed behind our back
         layout.forget_dirs()
         layout.make_dirs(directory)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        size = _write_all(fd, parts)
-        if fsync:
-            os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, final)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        fd = open_temp(tmp)
+    size = write_and_rename(fd, tmp, final, parts, fsync)
     if fsync:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     return size
-
-
-def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> int:
-    total = 0
-    for part in parts:
-        view = memoryview(part).cast("B")
-        while view.nbytes:
-            n = os.write(fd, view)
-            total += n
-            view = view[n:]
-    return total
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _new_buffer(nbytes: int, lead: int = 0) -> np.ndarray:

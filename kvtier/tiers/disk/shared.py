@@ -5,11 +5,14 @@ The rule (the disk tier's docstring says why):
 * The directory has one quota, kept in its ledger (kvtier.tiers.disk.ledger): the capacity of the process that
   created the ledger. A process configured with another capacity logs a warning; it keeps the directory's
   quota for the whole directory and its own capacity for its own namespaces.
-* Every put reserves its bytes in the ledger under the lock. When the directory would go over its quota, the
-  process deletes its own namespaces' oldest records, then the oldest of namespaces no running process serves
-  (orphans). Only a process whose namespaces hold less than a fair share (the quota split evenly between the
-  namespaces running processes serve) deletes another running process's records: the oldest of the namespace
-  furthest over its share, never below that share. What still does not fit is refused.
+* Every put reserves its bytes in the ledger under the lock. When the directory would go over its quota, a
+  process whose namespaces (with the new bytes) stay within a fair share (the quota split evenly between the
+  namespaces running processes serve) makes room from the oldest records of namespaces no running process
+  serves (orphans), then from the oldest of the other running process's namespace furthest over its share,
+  never below that share, then from its own oldest. A process at or over its share deletes its own namespaces'
+  oldest records, then orphans'. Nothing else deletes another running process's records; what still does not
+  fit is refused. A namespace is an orphan once no live ledger member names it (a member leaves when its tier
+  closes; one on this host whose pid is gone is dropped: kvtier.tiers.disk.ledger).
 * A process's namespaces: those it was told of (``DiskTier.describe``) and those it writes; without a
   description, at start also those whose directory has no manifest and that no other running process serves
   (a ``TieredStore`` of raw keys adopts what its earlier run wrote).
@@ -142,21 +145,24 @@ class SharedDirectory:
 
     def reserve(self, items: Sequence[tuple[Key, int]], victims: Sequence[Victim], own: Sequence[bytes]) -> Reservation:
         """Count each item's bytes (``(key, upper bound of its file size)``, less the file it replaces) if the
-        directory stays within its quota, deleting ``victims`` in order while it would not."""
+        directory stays within its quota, making room while it would not: below our fair share from orphans,
+        then from the namespace furthest over its share, then from our own; else from our own, then orphans."""
         out = Reservation()
         with self.ledger.locked(self.capacity) as state:
             self._note(state, own)
             foreign = state.claimed_by_others(self.me)
+            mine = [v for v in victims if v.own]
+            orphans = [v for v in victims if not v.own and v.key[:DIGEST_BYTES].hex() not in foreign]
             total = state.total()
-            pending = iter(victims)
             for key, upper in items:
                 need = upper - _size(self.layout.path(key))
-                while total + need > state.quota and (victim := next(pending, None)) is not None:
-                    if not victim.own and victim.key[:DIGEST_BYTES].hex() in foreign:
-                        continue  # a running process took that namespace up meanwhile
-                    total -= self._unlink(state, victim.key, out.evicted)
                 if total + need > state.quota:
-                    total -= self._fair_share(state, total + need - state.quota, out.evicted)
+                    if self._below_share(state, need):
+                        total -= self._take(state, orphans, state.quota - need - total, out.evicted)
+                        if total + need > state.quota:
+                            total -= self._fair_share(state, total + need - state.quota, out.evicted)
+                    for pending in (mine, orphans):
+                        total -= self._take(state, pending, state.quota - need - total, out.evicted)
                 if total + need > state.quota:
                     out.counted.append(None)
                     continue
@@ -166,15 +172,26 @@ class SharedDirectory:
             self.total = total
         return out
 
-    def _fair_share(self, state: LedgerState, wanted: int, evicted: dict[Key, int]) -> int:
-        """Free up to ``wanted`` bytes from the namespace furthest over its fair share (the quota split evenly
-        between the namespaces running processes serve), oldest files first, never taking it below its share,
-        and only while ours hold less than theirs; the bytes freed."""
+    def _take(self, state: LedgerState, pending: list[Victim], room: int, evicted: dict[Key, int]) -> int:
+        """Delete records from the front of ``pending`` (removing them from it) until ``room`` is not negative;
+        the bytes freed."""
+        freed = 0
+        while room + freed < 0 and pending:
+            freed += self._unlink(state, pending.pop(0).key, evicted)
+        return freed
+
+    def _below_share(self, state: LedgerState, need: int) -> bool:
+        """Whether our namespaces, with ``need`` more bytes, stay within a fair share of the quota."""
         mine = set(state.members.get(self.me, {}).get("namespaces", ()))
         live = mine | state.claimed_by_others(self.me)
-        share = state.quota // max(1, len(live))
-        if sum(state.bytes.get(h, 0) for h in mine) + wanted > share:
-            return 0
+        return sum(state.bytes.get(h, 0) for h in mine) + need <= state.quota // max(1, len(live))
+
+    def _fair_share(self, state: LedgerState, wanted: int, evicted: dict[Key, int]) -> int:
+        """Free up to ``wanted`` bytes from the namespace furthest over its fair share (the quota split evenly
+        between the namespaces running processes serve), oldest files first, never taking it below its share;
+        the bytes freed. The caller checks that ours are below our share."""
+        mine = set(state.members.get(self.me, {}).get("namespaces", ()))
+        share = state.quota // max(1, len(mine | state.claimed_by_others(self.me)))
         richest = max((h for h in state.bytes if h not in mine), key=lambda h: state.bytes[h], default=None)
         if richest is None or state.bytes[richest] <= share:
             return 0

@@ -9,9 +9,9 @@ or written is a ``ConfigError`` naming the config key.
 
 A directory several processes share (vLLM instances of different models, the scheduler and worker processes
 of one engine): kvtier.tiers.disk.shared has the rule. One quota for the directory (the first writer's, kept in
-``<root>/.kvtier-ledger``), bytes counted across processes under ``flock``; for room a process deletes its
-own namespaces' oldest records, then those of namespaces no running process serves, and only while below a fair
-share (quota / namespaces served) the oldest of the namespace furthest over its share. Trade-off: no global
+``<root>/.kvtier-ledger``), bytes counted across processes under ``flock``; for room a process below its fair
+share (quota / namespaces served) deletes the oldest of orphans (namespaces no running process serves), then of
+the namespace furthest over its share (never below it), then its own; at its share, its own then orphans'. No global
 LRU (each evicts by age within what it may take), and a namespace at or below its share is never cut by
 another process. A put costs one or two short ledger transactions in the writer thread (no extra thread
 hop). A killed process may leave its last batch counted until a start recounts. Manifests: kvtier.manifest.

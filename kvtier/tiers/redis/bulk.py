@@ -23,24 +23,28 @@ import struct
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from kvtier import codec
 from kvtier.errors import CorruptRecord
 from kvtier.tiers.redis.resp import RespConnection, RespProtocolError
 
+if TYPE_CHECKING:  # torch is imported on first use: the catalog (kvtier purge, inspect) needs only the layout
+    import torch
+
 PART = 2 << 20
 WINDOW = 4 << 20
 HEAD_PROBE = 60  # header bytes that tell a record's length: flags at 6, stored payload length at 44
 _SCRATCH = codec.HEADER_SIZE + codec.MAC_BYTES
 _COMPRESSED = codec.FLAG_LZ4 | codec.FLAG_ZSTD
-Alloc = Callable[[int], torch.Tensor]
+Alloc = Callable[[int], "torch.Tensor"]
 
 
 def _empty(nbytes: int) -> torch.Tensor:
+    import torch
+
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -290,4 +294,6 @@ def _verified(value: _Value, key: bytes, max_raw: int, hmac_key: bytes | None, a
 
 
 def _typed(payload: torch.Tensor, header: codec.RecordHeader) -> torch.Tensor:
+    import torch
+
     return payload.view(getattr(torch, header.dtype)).reshape(header.shape)

@@ -104,7 +104,7 @@ class NamespaceConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    eviction: str = "prefix_lru"
+    eviction: str = "adaptive"
     write: WritePolicy = WritePolicy.WRITE_BACK
     promote_on_hit: bool = True
     # a chunk is saved once this many requests have asked for it (1: every computed chunk; 2: only prefixes seen

@@ -5,7 +5,7 @@ parent)`` for a newly stored key (``parent`` = the previous chunk of the same pr
 on a hit, ``remove(key)`` when a key leaves for another reason, and ``evict(n, protected)`` to pick and
 forget up to ``n`` victims, never one in ``protected`` (pinned or in flight). Policies know nothing of bytes:
 the directory evicts until enough bytes are free. ``capacity`` is in entries and is a hint (ARC sizes its
-ghost lists with it); ``set_capacity`` updates it.
+ghost lists with it, ``adaptive`` its shadow caches); ``set_capacity`` updates it. The default is ``adaptive``.
 
 The implementations live in ``kvtier.policies``; this module is the registry everything else imports.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hitdensity import PrefixHitDensityPolicy
@@ -24,6 +25,7 @@ from kvtier.policies.s3fifo import S3FIFOPolicy
 __all__ = [
     "POLICIES",
     "ARCPolicy",
+    "AdaptivePolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "PrefixHitDensityPolicy",
@@ -38,6 +40,7 @@ POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
     "prefix_hd": PrefixHitDensityPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 

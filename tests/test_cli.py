@@ -48,7 +48,7 @@ def test_check_default_config(default_report: subprocess.CompletedProcess[str]) 
     assert rows["cpu"][5:7] == ["64", str(64 * 256)]  # memory slots hold raw payloads: 2 GiB / 32 MiB
     # disk records carry a header: 8 GiB / (32 MiB + header) = 255 whole chunks
     assert rows["disk"][5:7] == ["255", str(255 * 256)]
-    assert "eviction=prefix_lru write=write_back promote_on_hit=true" in out
+    assert "eviction=adaptive write=write_back promote_on_hit=true" in out
     assert default_report.stderr == ""
 
 

@@ -245,3 +245,32 @@ def test_prefix_hd_marks_the_last_stored_chunk_of_a_request_as_tail() -> None:
 def test_prefix_hd_learns_to_evict_what_will_not_be_reused() -> None:
     assert _wasteful_evictions(PrefixHitDensityPolicy(12), 300, warmup=100) < 0.05
     assert _wasteful_evictions(LRUPolicy(12), 300, warmup=100) > 0.2
+
+
+def test_prefix_lru_tails_first_evicts_each_requests_last_stored_chunk_first() -> None:
+    plain, tails = PrefixLRUPolicy(100), PrefixLRUPolicy(100, tails_first=True)
+    for p in (plain, tails):
+        _request(p, [0, 1, 2])
+        p.insert(k(5))  # the next request: 2 was the previous one's last stored chunk
+        p.insert(k(6), k(5))
+        p.touch(k(0))  # and again: 6 was
+    assert plain.evict(3) == [k(2), k(1), k(6)]  # the oldest tick first (deepest first), then the next
+    assert tails.evict(3) == [k(2), k(6), k(1)]  # the two tails first, oldest first; then plain prefix LRU
+
+
+def test_prefix_lru_tails_first_keeps_a_tail_the_next_request_touches() -> None:
+    p = PrefixLRUPolicy(100, tails_first=True)
+    _request(p, [0, 1, 2])
+    _request(p, [0, 1, 2, 3])  # 2 is touched again: no longer a tail; 3 is
+    p.insert(k(9))
+    assert p.evict(1) == [k(3)]
+    assert p.evict(1) == [k(2)]  # then plain prefix LRU: the old chain's deepest chunk
+
+
+def test_prefix_hd_queues_a_finished_request_tail_first() -> None:
+    p = PrefixHitDensityPolicy(1000)
+    _request(p, [0, 1, 2, 3])
+    _request(p, [0, 1, 2, 3, 4])  # 0..3 reused once, in prefix order
+    p.insert(k(50))  # a new request starts: the previous one is queued again, tail first
+    reused_once = [key for key in p.queues[1] if key in {k(i) for i in range(4)}]
+    assert reused_once == [k(3), k(2), k(1), k(0)]

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvtier.bench.belady import BeladyPolicy, belady_schedule
-from kvtier.bench.workloads import GENERATORS, Workload, load_mooncake
+from kvtier.bench.workloads import GENERATORS, SUITES, Workload, load_mooncake, parse_capacities, suite_workloads
 from kvtier.cli_check import parse_model_shape
 from kvtier.config_parse import parse_size
+from kvtier.config_tree import PolicyConfig
 from kvtier.directory import Directory, TierSlot
 from kvtier.errors import ConfigError
 from kvtier.keys import Key
@@ -173,29 +174,6 @@ def ideal_stats(workload: Workload) -> ReplayStats:
 # ---- sweeps, report, plot -------------------------------------------------------------------------------
 
 
-def parse_capacities(spec: str, unique_chunks: int, chunk_bytes: int | None = None) -> list[int]:
-    """Capacities in chunks from a comma list: '1000', '10%' (of unique chunks), '8GiB' (with ``chunk_bytes``).
-
-    A trailing '%' on the last item applies to all of them: '5,10,20,40%'.
-    """
-    items = [x.strip() for x in spec.split(",") if x.strip()]
-    if not items:
-        raise ValueError(f"no capacity in {spec!r}")
-    if items[-1].endswith("%"):
-        items = [x if x.endswith("%") else x + "%" for x in items]
-    return [_capacity(x, unique_chunks, chunk_bytes) for x in items]
-
-
-def _capacity(item: str, unique_chunks: int, chunk_bytes: int | None) -> int:
-    if item.endswith("%"):
-        return max(1, round(float(item[:-1]) / 100 * unique_chunks))
-    if item.isdigit():
-        return int(item)
-    if chunk_bytes is None:
-        raise ValueError(f"capacity {item!r} is a size in bytes: give --model-shape (or use chunks or N%)")
-    return parse_size(item, "--capacity") // chunk_bytes
-
-
 @dataclass(frozen=True)
 class SweepSpec:
     """What to replay: policies x single-tier capacities, plus optional multi-tier set-ups."""
@@ -250,14 +228,30 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:
-    """Token hit rate vs capacity per policy (single-tier runs), with Belady's and the infinite cache's."""
+    """Token hit rate vs capacity per policy (single-tier runs), with Belady's and the infinite cache's; one
+    panel per workload for a suite."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    docs = doc.get("workloads", [doc])
+    cols = min(len(docs), 3)
+    rows = -(-len(docs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 5 * rows), squeeze=False)
+    for ax in axes.flat[len(docs):]:
+        ax.set_visible(False)
+    for one, ax in zip(docs, axes.flat, strict=False):
+        _draw(one, ax)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120 if len(docs) == 1 else 80)
+    plt.close(fig)
+    return path
+
+
+def _draw(doc: dict[str, Any], ax: Any) -> None:
     single = [r for r in doc["results"] if len(r["tier_capacities"]) == 1]
-    fig, ax = plt.subplots(figsize=(8, 5))
     for policy in dict.fromkeys(r["policy"] for r in single):
         rows = sorted((r for r in single if r["policy"] == policy), key=lambda r: r["capacity_chunks"])
         ax.plot([100 * r["capacity_fraction"] for r in rows], [100 * r["hit_rate"] for r in rows], "o-", label=policy)
@@ -274,16 +268,31 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     ax.set_title(f"{doc['workload']} ({doc['requests']:,} requests, {doc['chunk_tokens']}-token chunks)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+
+
+def bars(docs: Sequence[dict[str, Any]], policy: str) -> list[dict[str, Any]]:
+    """Per workload and single-tier capacity: ``policy``'s hit rate beside LRU's and ARC's, and whether it is
+    at least both (the bar the default policy must meet)."""
+    out = []
+    for doc in docs:
+        rates: dict[tuple[str, int], float] = {(r["policy"], r["capacity_chunks"]): r["hit_rate"]
+                                               for r in doc["results"] if len(r["tier_capacities"]) == 1}
+        for (name, cap), rate in rates.items():
+            if name == policy and ("lru", cap) in rates and ("arc", cap) in rates:
+                lru, arc = rates["lru", cap], rates["arc", cap]
+                out.append({"workload": doc["workload"], "capacity_chunks": cap, "capacity_fraction":
+                            cap / doc["unique_chunks"], policy: rate, "lru": lru, "arc": arc,
+                            "met": rate >= lru and rate >= arc})
+    return out
 
 
 # ---- command line ---------------------------------------------------------------------------------------------
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE_SOURCE = "github.com/kvcache-ai/Mooncake, file FAST25-release/traces/conversation_trace.jsonl"
+QUICK_REQUESTS = 400  # --quick: the first requests of the trace, at 10% only (a few seconds)
+QUICK_WORKLOAD = "agentic"  # --quick without a trace
+DEFAULT_POLICY = PolicyConfig().eviction
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -291,6 +300,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help=f"Mooncake-format JSONL trace (default {DEFAULT_TRACE} if present)")
     src.add_argument("--workload", choices=sorted(GENERATORS), help="a seeded synthetic workload instead")
+    src.add_argument("--suite", choices=SUITES, help="a set of workloads: the benchmark's synthetic ones, or those "
+                     "held back from tuning the default policy (with the trace's second half when present)")
     parser.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="generator parameter, repeatable (e.g. users=100, repeat_mode=tile)")
     parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
@@ -308,6 +319,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the result document here")
     parser.add_argument("--plot", type=Path, help="write a hit-rate-vs-capacity PNG here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a few seconds: the first {QUICK_REQUESTS} requests at 10%% (the synthetic "
+                             f"{QUICK_WORKLOAD} workload when no trace is found)")
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
@@ -321,11 +335,23 @@ def load_workload(args: argparse.Namespace) -> Workload:
                 raise ConfigError("--workload-arg", f"bad item {item!r}",
                                   f"keys of {args.workload}: {', '.join(inspect.signature(factory).parameters)}")
             params[key] = value if key == "repeat_mode" else int(value)
-        return factory(**params).head(args.limit)
+        return factory(**params).head(_limit(args))
     trace = args.trace or DEFAULT_TRACE
     if not trace.is_file():
-        raise ConfigError("--trace", f"no trace file at {trace}", "give --trace PATH or --workload NAME")
-    return load_mooncake(trace, args.limit)
+        if args.quick and args.trace is None:
+            print(f"no trace at {trace} (get it from {TRACE_SOURCE}): --quick replays the synthetic "
+                  f"{QUICK_WORKLOAD} workload instead")
+            return GENERATORS[QUICK_WORKLOAD](seed=args.seed).head(_limit(args))
+        raise ConfigError("--trace", f"no trace file at {trace}",
+                          f"get it from {TRACE_SOURCE} and give --trace PATH, or use --workload NAME")
+    return load_mooncake(trace, _limit(args))
+
+
+def _limit(args: argparse.Namespace) -> int | None:
+    """--limit, else the --quick bound, else all requests."""
+    if args.limit is not None:
+        return int(args.limit)
+    return QUICK_REQUESTS if getattr(args, "quick", False) else None
 
 
 def spec_from(args: argparse.Namespace, workload: Workload) -> SweepSpec:
@@ -340,7 +366,8 @@ def spec_from(args: argparse.Namespace, workload: Workload) -> SweepSpec:
         if args.capacity_bytes:
             caps = [parse_size(args.capacity_bytes, "--capacity-bytes") // chunk_bytes]
         else:
-            caps = parse_capacities(args.capacity or args.sweep or "5,10,20,40%", unique, chunk_bytes)
+            default = "10%" if getattr(args, "quick", False) else "5,10,20,40%"
+            caps = parse_capacities(args.capacity or args.sweep or default, unique, chunk_bytes)
         tiers = tuple(tuple(parse_capacities(t, unique, chunk_bytes)) for t in args.tiers)
     except ValueError as exc:
         raise ConfigError("--capacity", str(exc)) from None
@@ -349,9 +376,20 @@ def spec_from(args: argparse.Namespace, workload: Workload) -> SweepSpec:
 
 def run(args: argparse.Namespace) -> int:
     """Replay, print the table, write the JSON and the PNG when asked."""
-    workload = load_workload(args)
-    doc = sweep(workload, spec_from(args, workload), progress=not args.no_progress)
-    print(table(doc))
+    if getattr(args, "suite", None):
+        workloads = [w.head(_limit(args)) for w in suite_workloads(args.suite, DEFAULT_TRACE)]
+        docs = [sweep(w, spec_from(args, w), progress=not args.no_progress) for w in workloads]
+        checks = bars(docs, DEFAULT_POLICY)
+        doc: dict[str, Any] = {"suite": args.suite, "default_policy": DEFAULT_POLICY, "workloads": docs,
+                               "bars": checks}
+        print("\n\n".join(table(d) for d in docs))
+        missed = [f"{c['workload']} at {c['capacity_fraction']:.0%}" for c in checks if not c["met"]]
+        print(f"{DEFAULT_POLICY} >= LRU and >= ARC: {len(checks) - len(missed)} of {len(checks)} cases"
+              + (f"; missed: {', '.join(missed)}" if missed else ""))
+    else:
+        workload = load_workload(args)
+        doc = sweep(workload, spec_from(args, workload), progress=not args.no_progress)
+        print(table(doc))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

@@ -14,6 +14,8 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.config_parse import parse_size
+
 MOONCAKE_BLOCK_TOKENS = 512
 
 
@@ -44,9 +46,12 @@ class Workload:
         return Workload(self.name, self.chunk_tokens, self.requests[:limit])
 
 
-def load_mooncake(path: str | Path, limit: int | None = None) -> Workload:
-    """Read a Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)."""
+def load_mooncake(path: str | Path, limit: int | None = None,
+                  window_ms: tuple[int, int | None] = (0, None)) -> Workload:
+    """Read a Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids); ``window_ms``: only
+    the requests that arrive in [start, end) (end None: to the end of the trace)."""
     path = Path(path)
+    start, end = window_ms
     requests: list[Request] = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
@@ -56,10 +61,14 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> Workload:
                 continue
             try:
                 row = json.loads(line)
+                stamp = int(row.get("timestamp", 0))
+                if stamp < start or (end is not None and stamp >= end):
+                    continue
                 requests.append(Request(tuple(row["hash_ids"]), int(row["input_length"])))
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace line ({exc})") from None
-    return Workload(f"mooncake:{path.name}", MOONCAKE_BLOCK_TOKENS, tuple(requests))
+    name = f"mooncake:{path.name}" if window_ms == (0, None) else f"mooncake:{path.name}[{start}ms,{end}ms)"
+    return Workload(name, MOONCAKE_BLOCK_TOKENS, tuple(requests))
 
 
 Segment = tuple[int, int]  # (segment id, length in tokens)
@@ -180,6 +189,75 @@ def agentic(sessions: int = 30, turns: int = 12, system_tokens: int = 4000, tool
     return Workload(f"agentic(sessions={sessions},turns={turns},seed={seed})", chunk_tokens, reqs)
 
 
+def few_shot(tasks: int = 40, examples: int = 6, pool: int = 60, requests: int = 400, system_tokens: int = 500,
+             example_tokens: int = 400, query_tokens: int = 150, chunk_tokens: int = 256, seed: int = 0) -> Workload:
+    """Few-shot prompting: each task puts its own ordered pick of ``examples`` from a shared pool after one
+    system prompt; requests pick tasks with Zipf-like popularity (task i with weight 1 / (i + 1)) and end in a
+    fresh query. Popular tasks are asked often; the long tail rarely, so frequency matters more than recency."""
+    rng = random.Random(seed)
+    segs = _Segments(rng)
+    system = segs.new(system_tokens, system_tokens)
+    shots = [segs.new(example_tokens // 2, example_tokens * 3 // 2) for _ in range(pool)]
+    prefixes = [[system, *rng.sample(shots, examples)] for _ in range(tasks)]
+    weights = [1.0 / (i + 1) for i in range(tasks)]
+    interner = ChunkInterner(chunk_tokens)
+    reqs = tuple(interner.request([*prefixes[rng.choices(range(tasks), weights)[0]],
+                                   segs.new(query_tokens // 2, query_tokens * 2)]) for _ in range(requests))
+    return Workload(f"few-shot(tasks={tasks},examples={examples},seed={seed})", chunk_tokens, reqs)
+
+
 GENERATORS: dict[str, Callable[..., Workload]] = {
-    "multi-round": multi_round_qa, "long-doc": long_doc_qa, "agentic": agentic,
+    "multi-round": multi_round_qa, "long-doc": long_doc_qa, "agentic": agentic, "few-shot": few_shot,
 }
+TRACE_HALF_MS = 1_768_500  # half of the Mooncake conversation trace's hour (timestamps 0 .. 3,536,999 ms)
+
+
+def synthetic_suite() -> list[Workload]:
+    """The synthetic workloads of the benchmark: each generator of the hit-rate replay with its defaults
+    (the ones the default policy's settings were chosen on, with the first half of the Mooncake trace)."""
+    return [multi_round_qa(), long_doc_qa(), agentic()]
+
+
+def held_out_suite() -> list[Workload]:
+    """Workloads held back from tuning the default policy: another shape (few-shot), and the tuned
+    generators with other seeds and sizes (``suite_workloads`` adds the trace's second half)."""
+    return [few_shot(), few_shot(tasks=120, examples=4, requests=800, seed=1),
+            multi_round_qa(users=120, rounds=12, seed=1), long_doc_qa(documents=40, repeats=4, seed=1),
+            long_doc_qa(documents=30, repeats=3, repeat_mode="tile", seed=2), agentic(sessions=80, turns=20, seed=1)]
+
+
+SUITES = ("synthetic", "held-out")
+
+
+def suite_workloads(name: str, trace: Path) -> list[Workload]:
+    """The workloads of suite ``name`` (one of ``SUITES``); the held-out one starts with the second half of
+    the Mooncake trace at ``trace`` when that file exists."""
+    if name == "synthetic":
+        return synthetic_suite()
+    held = held_out_suite()
+    if trace.is_file():
+        held.insert(0, load_mooncake(trace, window_ms=(TRACE_HALF_MS, None)))
+    return held
+
+
+def parse_capacities(spec: str, unique_chunks: int, chunk_bytes: int | None = None) -> list[int]:
+    """Capacities in chunks from a comma list: '1000', '10%' (of unique chunks), '8GiB' (with ``chunk_bytes``).
+
+    A trailing '%' on the last item applies to all of them: '5,10,20,40%'.
+    """
+    items = [x.strip() for x in spec.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"no capacity in {spec!r}")
+    if items[-1].endswith("%"):
+        items = [x if x.endswith("%") else x + "%" for x in items]
+    return [_capacity(x, unique_chunks, chunk_bytes) for x in items]
+
+
+def _capacity(item: str, unique_chunks: int, chunk_bytes: int | None) -> int:
+    if item.endswith("%"):
+        return max(1, round(float(item[:-1]) / 100 * unique_chunks))
+    if item.isdigit():
+        return int(item)
+    if chunk_bytes is None:
+        raise ValueError(f"capacity {item!r} is a size in bytes: give --model-shape (or use chunks or N%)")
+    return parse_size(item, "--capacity") // chunk_bytes

@@ -15,7 +15,9 @@ For each class it learns how likely a key is to be accessed again at each age: r
 key-time spent in that bin (exposure), counting reuses of evicted keys seen through a ghost list, so that
 it learns what keeping a class longer would give. The value of a key of class c and age a is the chance of
 a reuse within the next ``horizon`` x capacity calls. Within a class the oldest key has the lowest value
-once past the reuse peak, so eviction compares only the class tails. Ages count calls (insert and touch):
+once past the reuse peak, so eviction compares only the class tails. When a request ends its chunks are
+queued again tail first, so within a class a request's head outlives its tail (as in ``prefix_lru``: a
+chunk is of use only while its whole prefix is held). Ages count calls (insert and touch):
 the policy needs no wall clock and no random source.
 """
 
@@ -35,6 +37,7 @@ FRESH_SPAN = 9
 NUM_CLASSES = FRESH + 2 * FRESH_SPAN
 NUM_BINS = 128
 BINS_PER_CAPACITY = 8
+MAX_RUN = 4096  # calls without a root before the policy treats the run as ended
 
 
 def _log2_bucket(n: int, top: int) -> int:
@@ -94,6 +97,7 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         self._pos = 0  # position of the current call in its request
         self._hit_end = -1  # position of the request's first insert, -1 before it
         self._stored: list[Key] = []  # fresh keys stored by the current request
+        self._called: list[Key] = []  # keys the current request inserted or touched, in prefix order
         self._last_insert: Key | None = None
         self.set_capacity(capacity)
 
@@ -114,6 +118,7 @@ class PrefixHitDensityPolicy(EvictionPolicy):
             self._refresh()
         if root:
             self._end_request()
+            self._requeue_heads_last()
             self._pos, self._hit_end = 0, -1
         else:
             self._pos += 1
@@ -129,6 +134,22 @@ class PrefixHitDensityPolicy(EvictionPolicy):
             self._reclassify(key, base)
         if self._last_insert is not None:
             self._reclassify(self._last_insert, TAIL)
+
+    def _note_call(self, key: Key) -> None:
+        """Remember a call of the current request; a run of calls with no root (a lower tier fed by
+        demotions) is cut into requests of ``MAX_RUN`` calls, so memory stays bounded."""
+        self._called.append(key)
+        if len(self._called) >= MAX_RUN:
+            self._end_request()
+            self._requeue_heads_last()
+
+    def _requeue_heads_last(self) -> None:
+        """Queue the ended request's keys again, tail first: in each class its head is now the youngest."""
+        called, self._called = self._called, []
+        for key in reversed(called):
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.queues[entry.cls].move_to_end(key)
 
     def _reclassify(self, key: Key, cls: int) -> None:
         entry = self.entries.get(key)
@@ -149,11 +170,14 @@ class PrefixHitDensityPolicy(EvictionPolicy):
 
     def _refresh(self) -> None:
         """Add the exposure since the last refresh (occupancy snapshot x bins elapsed); recompute values."""
-        elapsed = (self.clock - self._refreshed_at) / self.bin_width
-        self._refreshed_at = self.clock
+        clock, width, top = self.clock, self.bin_width, NUM_BINS - 1
+        elapsed = (clock - self._refreshed_at) / width
+        self._refreshed_at = clock
+        exposure = [stats.exposure for stats in self.stats]
         for entries in (self.entries, self.ghosts):
-            for entry in entries.values():
-                self.stats[entry.cls].exposure[self._age_bin(entry)] += elapsed
+            for entry in entries.values():  # _age_bin, inlined: this loop runs over every key and ghost
+                age_bin = (clock - entry.stamp) // width
+                exposure[entry.cls][age_bin if age_bin < top else top] += elapsed
         pooled = _ClassStats()
         pooled.hits = [sum(col) for col in zip(*(s.hits for s in self.stats), strict=True)]
         pooled.exposure = [sum(col) for col in zip(*(s.exposure for s in self.stats), strict=True)]
@@ -179,6 +203,7 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         self.entries[key] = entry
         self.queues[entry.cls][key] = None
         self._last_insert = key
+        self._note_call(key)
 
     def touch(self, key: Key) -> None:
         entry = self.entries.get(key)
@@ -191,6 +216,7 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         entry.uses += 1
         entry.stamp = self.clock
         self.queues[entry.cls][key] = None
+        self._note_call(key)
 
     def remove(self, key: Key) -> None:
         entry = self.entries.pop(key, None)
@@ -200,23 +226,33 @@ class PrefixHitDensityPolicy(EvictionPolicy):
     def evict(self, n: int, protected: Container[Key] = ()) -> list[Key]:
         victims: list[Key] = []
         while len(victims) < n:
-            best: Key | None = None
-            best_rank: tuple[float, int] = (2.0, 0)
-            for cls, queue in enumerate(self.queues):
-                if not queue:
-                    continue
-                head = pick_unprotected(queue, 1, protected)
-                if head:
-                    stamp = self.entries[head[0]].stamp
-                    age_bin = min((self.clock - stamp) // self.bin_width, NUM_BINS - 1)
-                    rank = (self.stats[cls].values[age_bin], stamp)  # equal values: the older goes
-                    if rank < best_rank:
-                        best, best_rank = head[0], rank
+            best = self._lowest_head(protected)
             if best is None:
                 break
             victims.append(best)
             self._to_ghost(best)
         return victims
+
+    def _lowest_head(self, protected: Container[Key]) -> Key | None:
+        """The unprotected class head of the lowest value (equal values: the older goes)."""
+        best: Key | None = None
+        best_rank: tuple[float, int] = (2.0, 0)
+        clock, width, top, entries = self.clock, self.bin_width, NUM_BINS - 1, self.entries
+        for stats, queue in zip(self.stats, self.queues, strict=True):
+            if not queue:
+                continue
+            if protected:
+                head = pick_unprotected(queue, 1, protected)
+                if not head:
+                    continue
+                key = head[0]
+            else:
+                key = next(iter(queue))
+            stamp = entries[key].stamp
+            rank = (stats.values[min((clock - stamp) // width, top)], stamp)
+            if rank < best_rank:
+                best, best_rank = key, rank
+        return best
 
     def _to_ghost(self, key: Key) -> None:
         entry = self.entries.pop(key)

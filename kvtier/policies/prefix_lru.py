@@ -5,6 +5,10 @@ Each key carries a stamp ``(tick, depth)``: a key whose parent is held takes the
 than its depth; a root (or a key whose parent is gone) takes a fresh tick. Victims are the smallest ticks,
 deepest first. When a request's chunks are touched in prefix order they all share the head's tick, so the
 tail is older than the head and goes first; a head shared by many requests stays as young as its last use.
+
+With ``tails_first``, the last chunk a request stored (usually a partial block, which the next turn of a
+conversation replaces) goes before everything else once the next request starts: it is as good as never
+admitted. A request is a run of calls in prefix order starting at a root (a key whose parent is None).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ class PrefixLRUPolicy(EvictionPolicy):
 
     name = "prefix_lru"
 
-    def __init__(self, capacity: int = 0) -> None:
+    def __init__(self, capacity: int = 0, tails_first: bool = False) -> None:
         super().__init__(capacity)
+        self.tails_first = tails_first
         self._heap = LazyHeap()
         self._parent: dict[Key, Key | None] = {}
         self._clock = 0
+        self._last_stored: Key | None = None  # the key the previous call inserted (None after a touch)
 
     def _stamp(self, key: Key) -> None:
         parent = self._parent.get(key)
@@ -35,12 +41,25 @@ class PrefixLRUPolicy(EvictionPolicy):
         else:
             self._heap.set(key, (prio[0], prio[1] - 1))
 
+    def _call(self, key: Key, parent: Key | None, stored: bool) -> None:
+        """Track request boundaries: at a root, the previous request's last stored chunk becomes a tail."""
+        if self.tails_first:
+            last, self._last_stored = self._last_stored, (key if stored else None)
+            if parent is None and last is not None and last in self._heap:
+                self._clock += 1
+                self._heap.set(last, (0, self._clock))  # tick 0: older than every live stamp
+
     def insert(self, key: Key, parent: Key | None = None) -> None:
+        if key in self._heap:
+            self.touch(key)
+            return
+        self._call(key, parent, True)
         self._parent[key] = parent
         self._stamp(key)
 
     def touch(self, key: Key) -> None:
         if key in self._heap:
+            self._call(key, self._parent[key], False)
             self._stamp(key)
 
     def remove(self, key: Key) -> None:

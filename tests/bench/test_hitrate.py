@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,15 @@ from kvtier.bench.hitrate import (
     replay_policy,
     sweep,
 )
-from kvtier.bench.workloads import Request, Workload, agentic, load_mooncake, long_doc_qa, multi_round_qa
+from kvtier.bench.workloads import (
+    Request,
+    Workload,
+    agentic,
+    load_mooncake,
+    long_doc_qa,
+    multi_round_qa,
+    synthetic_suite,
+)
 from kvtier.cli import main
 from kvtier.errors import ConfigError
 
@@ -197,7 +207,7 @@ def test_cli_smoke_on_mooncake(tmp_path: Path) -> None:
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["requests"] == 300 and doc["chunk_tokens"] == 512
-    assert [(r["policy"], len(r["tier_capacities"])) for r in doc["results"]][-1] == ("prefix_hd", 2)
+    assert [(r["policy"], len(r["tier_capacities"])) for r in doc["results"]][-1] == ("adaptive", 2)
     for r in doc["results"]:
         assert 0 < r["hit_rate"] <= doc["ideal_hit_rate"] and r["request_hit_rate"] > 0.9
         assert r["belady_hit_rate"] <= doc["ideal_hit_rate"]
@@ -225,9 +235,63 @@ def test_mooncake_reference_numbers() -> None:
 def test_bench_registry_and_missing_benchmark(monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     assert set(bench_cli.BENCHMARKS) == {"hit-rate", "throughput", "ttft", "overhead", "vllm", "vllm-overhead", "vllm-replay",
-                                        "fingerprint"}
+                                        "serve", "fingerprint"}
     monkeypatch.setitem(bench_cli.BENCHMARKS, "ttft", ("kvtier.bench.not_written_yet", "later"))
     assert main(["bench", "ttft"]) == 2
     assert "benchmark 'ttft' is not available" in capsys.readouterr().err
     assert main(["bench", "hit-rate", "--workload", "agentic", "--capacity", "50%", "--policies", "lru",
                  "--no-progress"]) == 0  # the others keep working
+
+
+# ---- no trace, --quick (issue 19) ---------------------------------------------------------------------------
+
+
+def test_cli_without_a_trace_says_where_to_get_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(hitrate, "DEFAULT_TRACE", tmp_path / "absent.jsonl")
+    assert main(["bench", "hit-rate", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    assert out == "" and line.startswith(f"kvtier: error: --trace: no trace file at {tmp_path / 'absent.jsonl'}")
+    assert f"get it from {hitrate.TRACE_SOURCE}" in line and "Traceback" not in err
+
+
+def test_cli_missing_trace_in_a_real_process_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "bench", "hit-rate", "--trace", str(tmp_path / "no.jsonl"),
+                           "--quick"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    [line] = proc.stderr.splitlines()
+    assert "no trace file at" in line and "github.com/kvcache-ai/Mooncake" in line
+
+
+def test_cli_quick_without_a_trace_replays_a_synthetic_workload(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(hitrate, "DEFAULT_TRACE", tmp_path / "absent.jsonl")
+    out = tmp_path / "q.json"
+    assert main(["bench", "hit-rate", "--quick", "--no-progress", "--json", str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (f"no trace at {tmp_path / 'absent.jsonl'} (get it from {hitrate.TRACE_SOURCE}): --quick "
+                     "replays the synthetic agentic workload instead")
+    doc = json.loads(out.read_text())
+    assert doc["workload"].startswith("agentic(") and doc["requests"] == 186  # all of it: under --quick's bound
+    assert {round(r["capacity_fraction"], 2) for r in doc["results"]} == {0.1}
+
+
+@needs_trace
+def test_cli_quick_on_the_trace_is_bounded(tmp_path: Path) -> None:
+    out = tmp_path / "q.json"
+    assert main(["bench", "hit-rate", "--quick", "--no-progress", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["requests"] == hitrate.QUICK_REQUESTS and doc["workload"].startswith("mooncake:")
+    assert [r["policy"] for r in doc["results"]] == list(hitrate.POLICIES)  # every policy, at 10% only
+    assert {round(r["capacity_fraction"], 3) for r in doc["results"]} == {0.1}
+
+
+def test_the_default_policy_is_at_least_lru_and_arc_on_every_synthetic_workload() -> None:
+    """Issue 20's bar, on the benchmark's synthetic suite (the held-out suite and the trace: README)."""
+    assert hitrate.DEFAULT_POLICY == "adaptive"
+    docs = [sweep(w, SweepSpec(("lru", "arc", "adaptive"), tuple(parse_capacities("5,10,20,40%", w.unique_chunks())),
+                               belady=False)) for w in synthetic_suite()]
+    checks = hitrate.bars(docs, "adaptive")
+    assert len(checks) == 12 and all(c["met"] for c in checks), [c for c in checks if not c["met"]]

@@ -55,7 +55,8 @@ def test_demo_runs_without_tqdm_or_redis(tmp_path: Path) -> None:
 
 def test_hit_rate_bench_runs_without_tqdm(tmp_path: Path) -> None:
     proc = _kvtier_without_extras(tmp_path, "bench", "hit-rate", "--workload", "long-doc", "--workload-arg",
-                                  "documents=4", "--sweep", "50%", "--policies", "lru", "--no-belady")
+                                  "documents=4", "--sweep", "50%", "--policies", "lru", "--no-belady",
+                                  "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "lru" in proc.stdout and "long-doc" in proc.stdout
     assert proc.stderr == ""

@@ -1,6 +1,7 @@
 """Hit-rate replay, ``kvtier bench hit-rate``: a workload through kvtier's own directory and policies.
 
-Chunk by chunk, without moving bytes: an hour-long trace replays in seconds.
+Chunk by chunk, without moving bytes: an hour-long trace replays in seconds. Results: ``hit_rate.json`` (always)
+and its chart in ``--out DIR`` (default ``./benchmarks/results``), or at ``--json FILE`` / ``--plot FILE``.
 
 Semantics: a request hits the longest prefix of its chunks held by any tier (each hit chunk is attributed to
 the tier holding it); then all its chunks are inserted (misses) or touched (hits) in prefix order. New and
@@ -12,23 +13,18 @@ input length) over the sum of input lengths.
 from __future__ import annotations
 
 import argparse
-import inspect
-import json
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from kvtier.bench.belady import BeladyPolicy, belady_schedule
-from kvtier.bench.workloads import GENERATORS, SUITES, Workload, load_mooncake, parse_capacities, suite_workloads
-from kvtier.cli_check import parse_model_shape
-from kvtier.config_parse import parse_size
+from kvtier.bench.workloads import Workload
 from kvtier.config_tree import PolicyConfig
 from kvtier.directory import Directory, TierSlot
-from kvtier.errors import ConfigError
 from kvtier.keys import Key
 from kvtier.metrics import snapshot
-from kvtier.policy import POLICIES, EvictionPolicy, make_policy
+from kvtier.policy import EvictionPolicy, make_policy
 from kvtier.progress import progress_bar
 
 HELP = "token hit rate of each eviction policy on a trace or synthetic workload, beside Belady's"
@@ -171,7 +167,7 @@ def ideal_stats(workload: Workload) -> ReplayStats:
     return stats
 
 
-# ---- sweeps, report, plot -------------------------------------------------------------------------------
+# ---- sweeps and report -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -227,49 +223,6 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(doc: dict[str, Any], path: Path) -> Path:
-    """Token hit rate vs capacity per policy (single-tier runs), with Belady's and the infinite cache's; one
-    panel per workload for a suite."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    docs = doc.get("workloads", [doc])
-    cols = min(len(docs), 3)
-    rows = -(-len(docs) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 5 * rows), squeeze=False)
-    for ax in axes.flat[len(docs):]:
-        ax.set_visible(False)
-    for one, ax in zip(docs, axes.flat, strict=False):
-        _draw(one, ax)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120 if len(docs) == 1 else 80)
-    plt.close(fig)
-    return path
-
-
-def _draw(doc: dict[str, Any], ax: Any) -> None:
-    single = [r for r in doc["results"] if len(r["tier_capacities"]) == 1]
-    for policy in dict.fromkeys(r["policy"] for r in single):
-        rows = sorted((r for r in single if r["policy"] == policy), key=lambda r: r["capacity_chunks"])
-        ax.plot([100 * r["capacity_fraction"] for r in rows], [100 * r["hit_rate"] for r in rows], "o-", label=policy)
-    bel = sorted({(r["capacity_fraction"], r["belady_hit_rate"]) for r in single if r["belady_hit_rate"] is not None})
-    if bel:
-        ax.plot([100 * x for x, _ in bel], [100 * y for _, y in bel], "k--", label="Belady (offline)")
-    ax.axhline(100 * doc["ideal_hit_rate"], color="grey", linestyle=":", label="infinite cache")
-    ax.set_xscale("log")
-    ticks = sorted({100 * r["capacity_fraction"] for r in single})
-    ax.set_xticks(ticks, [f"{t:.3g}%" for t in ticks])
-    ax.minorticks_off()
-    ax.set_xlabel(f"capacity, % of {doc['unique_chunks']:,} unique chunks (log scale)")
-    ax.set_ylabel("token hit rate, %")
-    ax.set_title(f"{doc['workload']} ({doc['requests']:,} requests, {doc['chunk_tokens']}-token chunks)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-
-
 def bars(docs: Sequence[dict[str, Any]], policy: str) -> list[dict[str, Any]]:
     """Per workload and single-tier capacity: ``policy``'s hit rate beside LRU's and ARC's, and whether it is
     at least both (the bar the default policy must meet)."""
@@ -286,114 +239,22 @@ def bars(docs: Sequence[dict[str, Any]], policy: str) -> list[dict[str, Any]]:
     return out
 
 
-# ---- command line ---------------------------------------------------------------------------------------------
+# ---- command line: kvtier.bench.hitrate_cli, imported when called (it imports this module) -------------------
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 TRACE_SOURCE = "github.com/kvcache-ai/Mooncake, file FAST25-release/traces/conversation_trace.jsonl"
-QUICK_REQUESTS = 400  # --quick: the first requests of the trace, at 10% only (a few seconds)
-QUICK_WORKLOAD = "agentic"  # --quick without a trace
 DEFAULT_POLICY = PolicyConfig().eviction
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``kvtier bench hit-rate``."""
-    src = parser.add_mutually_exclusive_group()
-    src.add_argument("--trace", type=Path, help=f"Mooncake-format JSONL trace (default {DEFAULT_TRACE} if present)")
-    src.add_argument("--workload", choices=sorted(GENERATORS), help="a seeded synthetic workload instead")
-    src.add_argument("--suite", choices=SUITES, help="a set of workloads: the benchmark's synthetic ones, or those "
-                     "held back from tuning the default policy (with the trace's second half when present)")
-    parser.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="generator parameter, repeatable (e.g. users=100, repeat_mode=tile)")
-    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    cap = parser.add_mutually_exclusive_group()
-    cap.add_argument("--capacity", help="one capacity: chunks (1000) or a share of the unique chunks (10%%)")
-    cap.add_argument("--capacity-bytes", help="one capacity in bytes (8GiB); needs the model shape")
-    cap.add_argument("--sweep", help="comma list of capacities (default 5,10,20,40%%)")
-    parser.add_argument("--model-shape", default="llama-3.1-8b",
-                        help="layers=N,kv_heads=N,head_size=N,dtype=D or a preset (for byte capacities)")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma list (default: all registered)")
-    parser.add_argument("--tiers", action="append", default=[], metavar="CAPS",
-                        help="a multi-tier set-up, fastest first, e.g. 5%%,10%% (repeatable)")
-    parser.add_argument("--no-belady", action="store_true", help="skip Belady's offline optimum")
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
-    parser.add_argument("--json", type=Path, help="write the result document here")
-    parser.add_argument("--plot", type=Path, help="write a hit-rate-vs-capacity PNG here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a few seconds: the first {QUICK_REQUESTS} requests at 10%% (the synthetic "
-                             f"{QUICK_WORKLOAD} workload when no trace is found)")
+    """Options of ``kvtier bench hit-rate`` (kvtier.bench.hitrate_cli)."""
+    from kvtier.bench import hitrate_cli
 
-
-def load_workload(args: argparse.Namespace) -> Workload:
-    """The trace or generated workload the options name, cut to ``--limit`` requests."""
-    if args.workload:
-        factory = GENERATORS[args.workload]
-        params: dict[str, Any] = {"seed": args.seed}
-        for item in args.workload_arg:
-            key, sep, value = item.partition("=")
-            if not sep or key not in inspect.signature(factory).parameters:
-                raise ConfigError("--workload-arg", f"bad item {item!r}",
-                                  f"keys of {args.workload}: {', '.join(inspect.signature(factory).parameters)}")
-            params[key] = value if key == "repeat_mode" else int(value)
-        return factory(**params).head(_limit(args))
-    trace = args.trace or DEFAULT_TRACE
-    if not trace.is_file():
-        if args.quick and args.trace is None:
-            print(f"no trace at {trace} (get it from {TRACE_SOURCE}): --quick replays the synthetic "
-                  f"{QUICK_WORKLOAD} workload instead")
-            return GENERATORS[QUICK_WORKLOAD](seed=args.seed).head(_limit(args))
-        raise ConfigError("--trace", f"no trace file at {trace}",
-                          f"get it from {TRACE_SOURCE} and give --trace PATH, or use --workload NAME")
-    return load_mooncake(trace, _limit(args))
-
-
-def _limit(args: argparse.Namespace) -> int | None:
-    """--limit, else the --quick bound, else all requests."""
-    if args.limit is not None:
-        return int(args.limit)
-    return QUICK_REQUESTS if getattr(args, "quick", False) else None
-
-
-def spec_from(args: argparse.Namespace, workload: Workload) -> SweepSpec:
-    """The sweep the options ask for."""
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or not policies:
-        raise ConfigError("--policies", f"unknown policies {unknown}", f"use some of {', '.join(POLICIES)}")
-    unique = workload.unique_chunks()
-    chunk_bytes = parse_model_shape(args.model_shape).bytes_per_token * workload.chunk_tokens
-    try:
-        if args.capacity_bytes:
-            caps = [parse_size(args.capacity_bytes, "--capacity-bytes") // chunk_bytes]
-        else:
-            default = "10%" if getattr(args, "quick", False) else "5,10,20,40%"
-            caps = parse_capacities(args.capacity or args.sweep or default, unique, chunk_bytes)
-        tiers = tuple(tuple(parse_capacities(t, unique, chunk_bytes)) for t in args.tiers)
-    except ValueError as exc:
-        raise ConfigError("--capacity", str(exc)) from None
-    return SweepSpec(policies, tuple(caps), tiers, belady=not args.no_belady)
+    hitrate_cli.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Replay, print the table, write the JSON and the PNG when asked."""
-    if getattr(args, "suite", None):
-        workloads = [w.head(_limit(args)) for w in suite_workloads(args.suite, DEFAULT_TRACE)]
-        docs = [sweep(w, spec_from(args, w), progress=not args.no_progress) for w in workloads]
-        checks = bars(docs, DEFAULT_POLICY)
-        doc: dict[str, Any] = {"suite": args.suite, "default_policy": DEFAULT_POLICY, "workloads": docs,
-                               "bars": checks}
-        print("\n\n".join(table(d) for d in docs))
-        missed = [f"{c['workload']} at {c['capacity_fraction']:.0%}" for c in checks if not c["met"]]
-        print(f"{DEFAULT_POLICY} >= LRU and >= ARC: {len(checks) - len(missed)} of {len(checks)} cases"
-              + (f"; missed: {', '.join(missed)}" if missed else ""))
-    else:
-        workload = load_workload(args)
-        doc = sweep(workload, spec_from(args, workload), progress=not args.no_progress)
-        print(table(doc))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    if args.plot:
-        print(f"wrote {plot(doc, args.plot)}")
-    return 0
+    """Replay, print the table, write the JSON and the chart (kvtier.bench.hitrate_cli)."""
+    from kvtier.bench import hitrate_cli
+
+    return hitrate_cli.run(args)

@@ -97,7 +97,7 @@ def test_bench_listing_has_no_docs_markup(capsys: pytest.CaptureFixture[str]) ->
     assert "vllm-replay" in text and "``" not in text and ":mod:" not in text
 
 
-@pytest.mark.parametrize("name", sorted(set(BENCHMARKS) - {"hit-rate"}))
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_every_benchmark_accepts_quick_and_the_output_options(name: str, tmp_path: Path) -> None:
     parser, _ = build_parser(name)
     args = parser.parse_args(["--quick", "--out", str(tmp_path)])
@@ -149,6 +149,22 @@ def test_out_names_the_directory_and_the_path_printed_is_absolute(tmp_path: Path
     assert json.loads(path.read_text())["quick"] is True
     assert proc.stdout.splitlines()[-1] == f"results: {path}"
     assert not (tmp_path / "benchmarks").exists()
+
+
+def test_hit_rate_results_go_to_the_current_directory_or_out(tmp_path: Path) -> None:
+    """The hit-rate replay too: JSON always, its chart beside it, both named on the last line."""
+    quick = ("bench", "hit-rate", "--quick", "--workload", "agentic", "--no-progress")
+    proc = kvtier(*quick, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "benchmarks" / "results" / "hit_rate-quick.json"
+    doc = json.loads(path.read_text())
+    assert (doc["benchmark"], doc["quick"], doc["requests"]) == ("hit_rate", True, 186)
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert proc.stdout.splitlines()[-1] == f"results: {path}, hit_rate-quick.png"
+    proc = kvtier(*quick, "--out", "mine", "--no-plot", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"results: {tmp_path / 'mine' / 'hit_rate-quick.json'}"
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["hit_rate-quick.json"]
 
 
 def test_an_unwritable_destination_fails_before_any_work(tmp_path: Path) -> None:

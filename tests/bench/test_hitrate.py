@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench import cli as bench_cli
-from kvtier.bench import hitrate
+from kvtier.bench import hitrate, hitrate_cli
 from kvtier.bench.hitrate import (
     DEFAULT_TRACE,
     SweepSpec,
     belady_hit_rate,
     ideal_hit_rate,
     ideal_stats,
-    parse_capacities,
     replay_policy,
     sweep,
 )
@@ -29,10 +28,12 @@ from kvtier.bench.workloads import (
     load_mooncake,
     long_doc_qa,
     multi_round_qa,
+    parse_capacities,
     synthetic_suite,
 )
 from kvtier.cli import main
 from kvtier.errors import ConfigError
+from kvtier.policy import POLICIES
 
 TRACE = DEFAULT_TRACE
 needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"Mooncake trace not found at {TRACE}")
@@ -173,16 +174,45 @@ def test_sweep_document_fields() -> None:
     assert doc["results"][-1]["capacity_chunks"] == 60 and set(doc["results"][-1]["tiers"]) == {"tier0", "tier1"}
 
 
+LONG_DOC = ["--workload", "long-doc", "--workload-arg", "repeat_mode=tile", "--workload-arg", "documents=8",
+            "--sweep", "20,50%", "--policies", "lru,prefix_hd", "--no-progress"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out, png = tmp_path / "hr.json", tmp_path / "hr.png"
-    rc = main(["bench", "hit-rate", "--workload", "long-doc", "--workload-arg", "repeat_mode=tile",
-               "--workload-arg", "documents=8", "--sweep", "20,50%", "--policies", "lru,prefix_hd",
-               "--json", str(out), "--plot", str(png), "--no-progress"])
+    """--json FILE and --plot FILE (benchmarks/hit_rate.py, README) override --out: the files land there."""
+    out, png = tmp_path / "j" / "hr.json", tmp_path / "p" / "hr.png"
+    rc = main(["bench", "hit-rate", *LONG_DOC, "--json", str(out), "--plot", str(png), "--out", str(tmp_path / "o")])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["workload"].startswith("long-doc(documents=8") and len(doc["results"]) == 4
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "prefix_hd" in capsys.readouterr().out
+    assert doc["benchmark"] == "hit_rate" and doc["quick"] is False and doc["machine"]["cores"]
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    stdout = capsys.readouterr().out
+    assert "prefix_hd" in stdout and stdout.splitlines()[-1] == f"results: {out}, {png}"
+    assert not (tmp_path / "o").exists()  # --json and --plot name both files: --out is unused
+
+
+def test_cli_writes_json_and_chart_into_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "res"
+    assert main(["bench", "hit-rate", *LONG_DOC, "--out", str(out)]) == 0
+    doc = json.loads((out / "hit_rate.json").read_text())
+    assert len(doc["results"]) == 4 and (out / "hit_rate.png").read_bytes()[:8] == PNG_MAGIC
+    assert capsys.readouterr().out.splitlines()[-1] == f"results: {out / 'hit_rate.json'}, hit_rate.png"
+    assert main(["bench", "hit-rate", *LONG_DOC, "--out", str(tmp_path / "np"), "--no-plot"]) == 0
+    assert sorted(p.name for p in (tmp_path / "np").iterdir()) == ["hit_rate.json"]  # JSON without a chart
+    assert capsys.readouterr().out.splitlines()[-1] == f"results: {tmp_path / 'np' / 'hit_rate.json'}"
+
+
+def test_suite_document_and_chart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "hit-rate", "--suite", "synthetic", "--limit", "60", "--capacity", "20%", "--policies",
+                 "lru,arc,adaptive", "--no-belady", "--no-progress", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "hit_rate.json").read_text())
+    assert doc["suite"] == "synthetic" and doc["default_policy"] == "adaptive"
+    assert len(doc["bars"]) == len(doc["workloads"]) == len(synthetic_suite())
+    assert all(w["requests"] <= 60 and len(w["results"]) == 3 for w in doc["workloads"])
+    assert (tmp_path / "hit_rate.png").read_bytes()[:8] == PNG_MAGIC
+    assert "adaptive >= LRU and >= ARC: " in capsys.readouterr().out
 
 
 def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -193,10 +223,10 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "hit-rate", "--trace", "/nonexistent.jsonl"]) == 2
     assert "no trace file" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
-    hitrate.add_arguments(parser)
+    hitrate.add_arguments(parser)  # the entry kvtier bench's table names hands on to hitrate_cli
     args = parser.parse_args(["--workload", "agentic", "--capacity", "lots"])
     with pytest.raises(ConfigError, match="--capacity"):
-        hitrate.spec_from(args, hitrate.load_workload(args))
+        hitrate_cli.spec_from(args, hitrate_cli.load_workload(args))
 
 
 @needs_trace
@@ -232,7 +262,7 @@ def test_mooncake_reference_numbers() -> None:
         assert stats.chunk_hit_rate == pytest.approx(ref, abs=0.001), pct
 
 
-def test_bench_registry_and_missing_benchmark(monkeypatch: pytest.MonkeyPatch,
+def test_bench_registry_and_missing_benchmark(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     assert set(bench_cli.BENCHMARKS) == {"hit-rate", "throughput", "ttft", "overhead", "vllm", "vllm-overhead", "vllm-replay",
                                         "serve", "fingerprint"}
@@ -240,7 +270,8 @@ def test_bench_registry_and_missing_benchmark(monkeypatch: pytest.MonkeyPatch,
     assert main(["bench", "ttft"]) == 2
     assert "benchmark 'ttft' is not available" in capsys.readouterr().err
     assert main(["bench", "hit-rate", "--workload", "agentic", "--capacity", "50%", "--policies", "lru",
-                 "--no-progress"]) == 0  # the others keep working
+                 "--no-progress", "--no-plot", "--out", str(tmp_path)]) == 0  # the others keep working
+    assert json.loads((tmp_path / "hit_rate.json").read_text())["results"][0]["policy"] == "lru"
 
 
 # ---- no trace, --quick (issue 19) ---------------------------------------------------------------------------
@@ -249,7 +280,7 @@ def test_bench_registry_and_missing_benchmark(monkeypatch: pytest.MonkeyPatch,
 def test_cli_without_a_trace_says_where_to_get_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(hitrate, "DEFAULT_TRACE", tmp_path / "absent.jsonl")
-    assert main(["bench", "hit-rate", "--no-progress"]) == 2
+    assert main(["bench", "hit-rate", "--no-progress", "--out", str(tmp_path / "r")]) == 2
     out, err = capsys.readouterr()
     [line] = err.splitlines()
     assert out == "" and line.startswith(f"kvtier: error: --trace: no trace file at {tmp_path / 'absent.jsonl'}")
@@ -269,7 +300,7 @@ def test_cli_quick_without_a_trace_replays_a_synthetic_workload(monkeypatch: pyt
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(hitrate, "DEFAULT_TRACE", tmp_path / "absent.jsonl")
     out = tmp_path / "q.json"
-    assert main(["bench", "hit-rate", "--quick", "--no-progress", "--json", str(out)]) == 0
+    assert main(["bench", "hit-rate", "--quick", "--no-progress", "--no-plot", "--json", str(out)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first == (f"no trace at {tmp_path / 'absent.jsonl'} (get it from {hitrate.TRACE_SOURCE}): --quick "
                      "replays the synthetic agentic workload instead")
@@ -281,10 +312,10 @@ def test_cli_quick_without_a_trace_replays_a_synthetic_workload(monkeypatch: pyt
 @needs_trace
 def test_cli_quick_on_the_trace_is_bounded(tmp_path: Path) -> None:
     out = tmp_path / "q.json"
-    assert main(["bench", "hit-rate", "--quick", "--no-progress", "--json", str(out)]) == 0
+    assert main(["bench", "hit-rate", "--quick", "--no-progress", "--no-plot", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["requests"] == hitrate.QUICK_REQUESTS and doc["workload"].startswith("mooncake:")
-    assert [r["policy"] for r in doc["results"]] == list(hitrate.POLICIES)  # every policy, at 10% only
+    assert doc["requests"] == hitrate_cli.QUICK_REQUESTS and doc["workload"].startswith("mooncake:")
+    assert [r["policy"] for r in doc["results"]] == list(POLICIES)  # every policy, at 10% only
     assert {round(r["capacity_fraction"], 3) for r in doc["results"]} == {0.1}
 
 

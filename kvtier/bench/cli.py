@@ -13,7 +13,7 @@ import sys
 
 from kvtier.cli import KvtierParser
 
-HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-replay, fingerprint"
+HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-replay, serve, fingerprint"
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "hit-rate": ("kvtier.bench.hitrate", "token hit rate of each eviction policy on a trace or workload"),
@@ -26,6 +26,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                       "vLLM's CPU engine"),
     "vllm-replay": ("kvtier.bench.vllm_replay", "a real trace through vLLM's CPU engine with too little KV memory: "
                     "its prefix cache alone vs + kvtier"),
+    "serve": ("kvtier.bench.serve", "a trace through vLLM's OpenAI server with concurrent clients: its prefix cache "
+              "alone vs + kvtier"),
     "fingerprint": ("kvtier.bench.fingerprint", "start-up cost of the weights fingerprint beside a plain read"),
 }
 NEEDS_VLLM_CPU = ("vllm", "vllm-overhead", "vllm-replay")  # they start vLLM's CPU engine

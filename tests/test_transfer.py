@@ -262,3 +262,74 @@ def test_scatter_refuses_payloads_of_another_dtype_and_leaves_the_blocks_alone(a
     with pytest.raises(ValueError, match="never converted"):
         scatter(dst, blocks, KVLayout.KV_FIRST, list(payload) if as_list else payload)
     assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_scatter_from_spaced_slots_writes_each_page_in_any_block_order(dtype: torch.dtype) -> None:
+    """Payloads at one distance in one buffer (a pool's consecutive slots, wider than a record) go by block
+    position with strided reads; blocks in descending order (vLLM's reused blocks) and a null entry included."""
+    src = [_random_bits((NUM_BLOCKS, HEADS, BS, HEAD), dtype, s) for s in range(3)]
+    ids = [[2, 3], [9, 10], [20, 21], [5, 6]]
+    payload = gather(src, ids, KVLayout.PAGES)
+    slot = payload[0].numel() + 64  # slots wider than a record: the payloads are spaced, not stacked
+    pool = torch.zeros(len(ids) * slot, dtype=dtype)
+    views = [pool[i * slot:i * slot + payload[0].numel()].view(payload[0].shape) for i in range(len(ids))]
+    for view, p in zip(views, payload.unbind(0), strict=True):
+        view.copy_(p)
+    dst = [torch.zeros_like(t) for t in src]
+    targets = [[17, 16], [15, 14], [NULL_BLOCK, 12], [8, 1]]
+    scatter(dst, targets, KVLayout.PAGES, views)
+    for li in range(3):
+        for chunk, tids in enumerate(targets):
+            for j, b in enumerate(tids):
+                if b != NULL_BLOCK:
+                    assert _same_bits(dst[li][b], payload[chunk, li, j])
+        written = {b for c in targets for b in c} - {NULL_BLOCK}
+        assert all(not dst[li][b].view(torch.int16).any() for b in range(NUM_BLOCKS) if b not in written)
+
+
+@pytest.mark.parametrize("targets", [
+    [[13, 12], [11, 10], [9, 8], [7, NULL_BLOCK]],  # vLLM's reused blocks: descending; a null entry at the end
+    [[2, 4], [6, 8], [10, 12], [14, 16]],  # every other block: the layer's rows in between stay untouched
+    [[22, 20], [18, 16], [14, 12], [10, 8]],
+    [[5, 6], [7, 8], [9, 10], [11, 12]],  # fresh blocks: ascending
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_scatter_into_evenly_spaced_blocks_writes_each_page_and_nothing_else(
+        targets: list[list[int]], dtype: torch.dtype) -> None:
+    """Spaced payloads whose blocks sort into one evenly spaced run go by one index op per layer into a strided
+    view of the layer: every page lands in its block, no other block changes."""
+    from kvtier.kvcopy import paged
+
+    src = [_random_bits((NUM_BLOCKS, HEADS, BS, 2 * HEAD), dtype, s) for s in range(3)]
+    payload = gather(src, [[1, 2], [3, 4], [5, 6], [7, 8]], KVLayout.PAGES)
+    slot = payload[0].numel() + 2 * HEADS * BS * 2 * HEAD  # slots two pages wider than a record
+    pool = torch.zeros(len(targets) * slot, dtype=dtype)
+    views = [pool[i * slot:i * slot + payload[0].numel()].view(payload[0].shape) for i in range(len(targets))]
+    for view, p in zip(views, payload.unbind(0), strict=True):
+        view.copy_(p)
+    dst = [_random_bits(tuple(t.shape), dtype, 9 + li) for li, t in enumerate(src)]
+    before = [t.clone() for t in dst]
+    rows = [t.flatten(1) for t in [t.clone() for t in dst]]
+    assert paged._select_into(rows, targets, views[0], slot)  # the path these inputs take
+    scatter(dst, targets, KVLayout.PAGES, views)
+    written = {b for c in targets for b in c} - {NULL_BLOCK}
+    for li in range(3):
+        assert torch.equal(rows[li].view(torch.uint8), dst[li].flatten(1).view(torch.uint8))
+        for chunk, tids in enumerate(targets):
+            for j, b in enumerate(tids):
+                if b != NULL_BLOCK:
+                    assert _same_bits(dst[li][b], payload[chunk, li, j])
+        assert all(_same_bits(dst[li][b], before[li][b]) for b in range(NUM_BLOCKS) if b not in written)
+
+
+def test_page_scatter_to_a_block_past_the_layer_raises_and_writes_no_other_block() -> None:
+    """A plan naming a block past the layer fails the scatter (its blocks become load errors, recomputed); no block
+    outside the plan is written (a strided view could reach past the layer's rows into other memory)."""
+    src = _paged(KVLayout.PAGES, 2, torch.float32, seed=4)
+    payload = gather(src, [[1, 2], [3, 4]], KVLayout.PAGES)
+    dst = _paged(KVLayout.PAGES, 2, torch.float32, seed=5)
+    before = [t.clone() for t in dst]
+    with pytest.raises((IndexError, RuntimeError)):
+        scatter(dst, [[NUM_BLOCKS - 2, NUM_BLOCKS - 1], [NUM_BLOCKS, NUM_BLOCKS + 1]], KVLayout.PAGES, payload)
+    assert all(torch.equal(a[:NUM_BLOCKS - 2], b[:NUM_BLOCKS - 2]) for a, b in zip(dst, before, strict=True))

@@ -13,7 +13,8 @@ import sys
 
 from kvtier.cli import KvtierParser
 
-HELP = "run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-replay, serve, fingerprint"
+HELP = ("run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-replay, serve, fingerprint, "
+        "copy")
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "hit-rate": ("kvtier.bench.hitrate", "token hit rate of each eviction policy on a trace or workload"),
@@ -29,6 +30,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("kvtier.bench.serve", "a trace through vLLM's OpenAI server with concurrent clients: its prefix cache "
               "alone vs + kvtier"),
     "fingerprint": ("kvtier.bench.fingerprint", "start-up cost of the weights fingerprint beside a plain read"),
+    "copy": ("kvtier.bench.copy", "the copy of a hit into the engine's blocks beside a plain memory copy"),
 }
 NEEDS_VLLM_CPU = ("vllm", "vllm-overhead", "vllm-replay")  # they start vLLM's CPU engine
 

@@ -219,7 +219,12 @@ def redis_context(settings: Settings) -> contextlib.AbstractContextManager[str]:
 def _check_reachable(url: str) -> None:
     """Raise a one-line KvtierError when nothing accepts a connection at ``url``'s host and port."""
     parts = urllib.parse.urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    if parts.scheme == "unix":
+        return  # a socket path: redis-py says what is wrong with it
+    try:
+        host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    except ValueError as exc:
+        raise KvtierError(f"--redis-url: {url} is not a Redis URL ({exc}): give redis://HOST:PORT/DB") from None
     try:
         socket.create_connection((host, port), timeout=5.0).close()
     except OSError as exc:

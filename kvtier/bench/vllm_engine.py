@@ -133,7 +133,10 @@ def worker(spec_path: str, out_path: str) -> None:
     from kvtier.bench.vllm_proc import flush_kvtier
 
     flush_kvtier()  # saves are written in the background: wait for them where kvtier's worker is in this process
-    time.sleep(0.5)  # and let the engine tell its scheduler they are done
+    time.sleep(0.5)
+    # an idle engine runs no step, so its scheduler learns of the finished saves only in the next one: one short,
+    # untimed request lets it (else the first timed round of a local tier missed: a full prefill, ~0.5 s)
+    generate([[5, 6, 7, 8]], first)
     ttft: dict[str, list[float]] = {n: [] for n in prompts}
     cached: dict[str, list[int]] = {n: [] for n in prompts}
     tokens: dict[str, list[int]] = {n: [] for n in prompts}

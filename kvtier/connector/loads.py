@@ -3,8 +3,8 @@ blocks. Decides nothing.
 
 Lifecycle, per engine step (``WorkerHalf.start_load_kv`` / ``get_finished``):
     start(loads)      synchronous loads run now, one copy per byte: memory tiers lend pinned views, scattered
-                      straight into the blocks and released once the device consumed them; asynchronous loads
-                      start their reads on the I/O loop
+                      straight into the blocks; once the device consumed them their release is queued on the
+                      I/O loop (not awaited); asynchronous loads start their reads on the I/O loop
     fail(loads)       (kvtier disabled) every planned load fails: the engine recomputes those blocks
     finished()        scatters the asynchronous loads whose reads are done; their requests
     take_errors()     blocks whose chunk could not be read or copied (miss, corrupt, dead tier, bad record)
@@ -31,6 +31,7 @@ from kvtier.geometry import NULL_BLOCK
 from kvtier.keys import Key
 from kvtier.metrics import WorkerCounters
 from kvtier.runtime import LoopThread
+from kvtier.tiers.base import Borrowing
 
 if TYPE_CHECKING:
     import torch
@@ -101,8 +102,7 @@ class LoadPath:
             if spec.is_async:
                 by_req.setdefault(spec.req_id, []).append(spec)
         for req_id, specs in by_req.items():
-            read = asyncio.wait_for(self._read_all(specs), self.async_load_timeout_s)
-            self.recving[req_id] = (specs, self._loop.submit(read))
+            self.recving[req_id] = (specs, self._submit(self._read_all(specs), self.async_load_timeout_s))
 
     def fail(self, loads: Sequence[LoadSpec]) -> None:
         """Fail every load (kvtier is disabled): the blocks become load errors, asynchronous ones finish now."""
@@ -113,27 +113,58 @@ class LoadPath:
 
     def _load_now(self, specs: Sequence[LoadSpec]) -> None:
         """Synchronous loads, one copy per byte: memory tiers lend pinned views that are scattered straight into
-        the blocks, then released (after the device has consumed them)."""
+        the blocks, then released on the I/O loop (after the device has consumed them; not awaited)."""
         borrowed: list[tuple[str, list[Key]]] = []
         try:
             results = self.run_bounded(self._borrow_all(specs, borrowed))
         except Exception as exc:  # a dead or stuck tier fails the load, not the engine
             logger.warning("synchronous load failed: %r", exc)
             results = [[None] * len(s.keys) for s in specs]
+            borrowed = []  # the failed borrow releases what it lent itself (on the loop, maybe still running)
         try:
             self.apply(specs, results)
-            self._kv.sync_devices()
         finally:
+            self._kv.sync_devices()  # queued device copies may still read the borrowed views
             if borrowed:
-                try:
-                    self.run_bounded(self._release_all(borrowed))
-                except Exception as exc:  # a release that fails must not replace the load's outcome
-                    logger.warning("releasing %d borrowed batch(es) failed: %r", len(borrowed), exc)
+                self._release_later(borrowed)
+
+    def _release_later(self, borrowed: list[tuple[str, list[Key]]]) -> None:
+        """Release borrowed views on the I/O loop without waiting: the copies that read them are done (and the
+        slots stay pinned until the release runs, so nothing overwrites them meanwhile), and a second wait on the
+        loop cost the step ~1.3 ms (measured in vLLM's CPU engine, 2048-token hit). A plain callback, not a task:
+        it runs in order before any later job, and before the loop stops (a task scheduled just before ``close``
+        would be dropped unawaited). A loop already closed releases nothing."""
+        try:
+            self._loop.loop.call_soon_threadsafe(self._release_now, borrowed)
+        except RuntimeError:  # the loop is closed (shutdown): its pools go with it
+            logger.debug("I/O loop closed: %d borrowed batch(es) not released", len(borrowed))
+
+    def _release_now(self, borrowed: Sequence[tuple[str, list[Key]]]) -> None:
+        """On the I/O loop: end the borrows (a memory tier's ``release`` is synchronous). A release that fails is
+        logged, never reaches the engine."""
+        for tier, keys in borrowed:
+            target = self.store.tier(tier)
+            try:
+                if isinstance(target, Borrowing):
+                    target.release(keys)
+            except Exception as exc:
+                logger.warning("releasing %d borrowed view(s) of %s failed: %r", len(keys), tier, exc)
+
+    def _submit(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the I/O loop, bounded by ``timeout_s``; a loop already closed raises ``RuntimeError``
+        and closes ``coro`` (never left unawaited)."""
+        bounded = asyncio.wait_for(coro, timeout_s)
+        try:
+            return self._loop.submit(bounded)
+        except RuntimeError:
+            bounded.close()
+            coro.close()
+            raise
 
     def run_bounded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the I/O loop for at most ``wait_timeout_s`` (it is cancelled then, and
         ``TimeoutError`` raised)."""
-        future = self._loop.submit(asyncio.wait_for(coro, self.wait_timeout_s))
+        future = self._submit(coro, self.wait_timeout_s)
         try:
             return future.result(self.wait_timeout_s + CANCEL_GRACE_S)
         except concurrent.futures.TimeoutError:

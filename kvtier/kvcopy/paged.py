@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.geometry import KVLayout, chunk_runs, dense_pages, id_runs
-from kvtier.kvcopy.common import GATHER_DTYPES, wide
+from kvtier.geometry import NULL_BLOCK, KVLayout, chunk_runs, dense_pages, id_runs, non_null
+from kvtier.kvcopy.common import GATHER_DTYPES, SCATTER_DTYPES, index, wide
 
 
 def page_rows(t: torch.Tensor) -> torch.Tensor:
@@ -55,15 +55,133 @@ def gather_into(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int
                 torch.index_select(t, 0, cols[:, j], out=wide_out[:, li, j])
 
 
+def _spacing(chunks: Sequence[torch.Tensor]) -> int | None:
+    """The fixed distance in elements between consecutive payloads that lie in one storage without overlapping
+    (records of one put in consecutive pool slots, or one stacked tensor), else None."""
+    first = chunks[0]
+    storage, step = first.untyped_storage().data_ptr(), first.numel()
+    for i in range(1, len(chunks)):
+        cur = chunks[i]
+        gap, rest = divmod(cur.data_ptr() - chunks[i - 1].data_ptr(), cur.element_size())
+        if cur.untyped_storage().data_ptr() != storage or rest or gap < cur.numel() or (i > 1 and gap != step):
+            return None
+        step = gap
+    return step
+
+
+def _even_runs(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
+    """(target block, source row) pairs sorted by target and cut into runs of evenly spaced targets; None when a
+    target repeats."""
+    runs: list[list[tuple[int, int]]] = []
+    for target, row in sorted(pairs):
+        if runs:
+            run = runs[-1]
+            gap = target - run[-1][0]
+            if gap == 0:
+                return None
+            if len(run) == 1 or gap == run[1][0] - run[0][0]:
+                run.append((target, row))
+                continue
+        runs.append([(target, row)])
+    return runs
+
+
+def _select_into(rows: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], first: torch.Tensor,
+                 step: int) -> bool:
+    """Payloads ``step`` elements apart from ``first`` on, ``step`` a whole number of pages: the blocks of each
+    layer, sorted, cut into runs of evenly spaced ids, each run written by one ``index_select`` whose output is a
+    strided view of the layer (per page one slice copy, a memcpy: index kernels copy element by element) and whose
+    input views every chunk's pages of that layer as rows. False (nothing written) when a block repeats, when
+    there would be more than one run per 8 pages, or when the storage does not hold every page."""
+    page, bpc = rows[0].shape[1], len(block_ids[0])
+    if step % page or any(r.stride(1) != 1 for r in rows):
+        return False
+    per = step // page
+    pairs = [(b, i * per + j) for i, ids in enumerate(block_ids) for j, b in enumerate(ids) if b != NULL_BLOCK]
+    runs = _even_runs(pairs)
+    if runs is None or not runs or len(runs) > max(1, len(pairs) // 8):
+        return False
+    if runs[0][0][0] < 0 or runs[-1][-1][0] >= rows[0].shape[0]:  # let the checked copies raise IndexError
+        return False
+    base, count = first.storage_offset(), (len(block_ids) - 1) * per + bpc
+    try:
+        sources = [first.as_strided((count, page), (page, 1), base + li * bpc * page) for li in range(len(rows))]
+    except RuntimeError:
+        return False
+    plan = [(run[0][0], run[1][0] - run[0][0] if len(run) > 1 else 1, index([r for _, r in run], first.device))
+            for run in runs]
+    for t, src in zip(rows, sources, strict=True):
+        for lo, gap, idx in plan:
+            out = t.as_strided((len(idx), page), (gap * t.stride(0), 1), t.storage_offset() + lo * t.stride(0))
+            (wide_out,), (wide_src,) = wide([out], [src], GATHER_DTYPES)
+            torch.index_select(wide_src, 0, idx, out=wide_out)
+    return True
+
+
+def _scatter_columns(rows: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], first: torch.Tensor,
+                     step: int) -> bool:
+    """Payloads ``step`` elements apart from ``first`` on: one ``index_copy_`` per layer and block position,
+    reading block ``j`` of every chunk as one strided view (any block order; ``NULL_BLOCK`` skipped). False when
+    the storage does not hold them all (nothing written then)."""
+    n, bpc, nl = len(block_ids), len(block_ids[0]), len(rows)
+    page, base = first.numel() // (nl * bpc), first.storage_offset()
+    try:
+        first.as_strided((n, nl * bpc * page), (step, 1), base)
+    except RuntimeError:
+        return False
+    device = rows[0].device
+    for j in range(bpc):
+        col = [ids[j] for ids in block_ids]
+        kept = non_null(col)
+        if not kept:
+            continue
+        targets, pick = index([col[i] for i in kept], device), None if len(kept) == n else index(kept, device)
+        for li, t in enumerate(rows):
+            src = first.as_strided((n, page), (step, 1), base + (li * bpc + j) * page)
+            (wide_t,), (wide_src,) = wide([t], [src if pick is None else src.index_select(0, pick)], SCATTER_DTYPES)
+            wide_t.index_copy_(0, targets, wide_src)
+    return True
+
+
 def scatter_into(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], layout: KVLayout,
                  chunks: Sequence[torch.Tensor], data: torch.Tensor | None) -> None:
     """Whole pages from each chunk's ``[L, bpc, *page]`` payload (``chunks``, on the layers' device; ``data``
-    unused) into page layers: for each chunk and layer, one slice copy per run of consecutive blocks."""
+    unused) into page layers. Payloads at one distance in memory (records in consecutive pool slots, one stacked
+    tensor): where the blocks sort into few evenly spaced runs (vLLM hands out fresh blocks ascending, reused
+    ones descending), one ``index_select`` per layer and run into a strided view of the layer, a memcpy per page
+    (``kvtier bench copy``: 32 chunks of two 64 KiB pages x 8 layers, see benchmarks/results/copy.json); else
+    one ``index_copy_`` per layer and block position. Otherwise one slice copy per chunk, layer and run of
+    consecutive blocks, all in one ``torch._foreach_copy_`` (a C++ loop)."""
     rows = [page_rows(t) for t in layers]
+    if all(r.dim() == 2 for r in rows):
+        step = _spacing(chunks)
+        if step is not None and (_select_into(rows, block_ids, chunks[0], step)
+                                 or _scatter_columns(rows, block_ids, chunks[0], step)):
+            return
+    _copy_all(_chunk_pairs(rows, block_ids, chunks, range(len(chunks))))
+
+
+def _chunk_pairs(rows: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], chunks: Sequence[torch.Tensor],
+                 which: range) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) per chunk in ``which``, layer and run of consecutive blocks (``NULL_BLOCK``
+    skipped)."""
     flat = all(r.dim() == 2 for r in rows)
-    for ids, payload in zip(block_ids, chunks, strict=True):
-        src = payload.view(len(layers), len(ids), -1) if flat else payload
-        runs = id_runs(ids)
-        for li, t in enumerate(rows):
-            for pos, first, length in runs:
-                t[first:first + length].copy_(src[li, pos:pos + length])
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i in which:
+        ids = block_ids[i]
+        src = chunks[i].view(len(rows), len(ids), -1) if flat else chunks[i]
+        for pos, first, length in id_runs(ids):
+            pairs.extend((t[first:first + length], src[li, pos:pos + length]) for li, t in enumerate(rows))
+    return pairs
+
+
+def _copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every (destination, source) copy: one ``torch._foreach_copy_`` when all are on one device."""
+    if not pairs:
+        return
+    device = pairs[0][0].device
+    if all(d.device == device and s.device == device for d, s in pairs):
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    else:
+        for dst, src in pairs:
+            dst.copy_(src)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from worker_kit import (
     store_a,
 )
 
+import kvtier.connector.loads as loads_module
 import kvtier.connector.worker as worker_module
 from kvtier.config import CpuTierConfig
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
@@ -161,6 +164,24 @@ def test_a_failing_release_does_not_reach_the_engine() -> None:
     finally:
         worker.close()
         loop.close()
+
+
+def test_a_load_after_the_io_loop_closed_fails_its_blocks_and_leaves_no_coroutine_unawaited(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine step that outlives kvtier's I/O loop (shutdown): the planned blocks become load errors (the
+    engine recomputes them) and no coroutine is left unawaited (Python's RuntimeWarning at collection)."""
+    monkeypatch.setattr(loads_module.logger, "disabled", True)  # a captured log record would keep the error alive
+    kv = paged(6)
+    before = {n: t.clone() for n, t in kv.items()}
+    worker, loop = bounded_worker(CpuTier(CpuTierConfig("cpu", 1 << 20)), kv)
+    loop.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
+        gc.collect()
+    assert worker.get_block_ids_with_load_errors() == {21, 22, 23, 24}
+    assert all(torch.equal(kv[n], before[n]) for n in kv)
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
 
 
 @pytest.mark.parametrize("idle", [True, False])

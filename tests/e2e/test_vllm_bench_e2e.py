@@ -17,6 +17,7 @@ from conftest import computed_tokens, counts_env, engine_env
 from kvtier.bench.hitrate import DEFAULT_TRACE
 
 
+@pytest.mark.timeout(600)  # the engines start in subprocesses; pytest's 300 s default is too tight on a loaded machine
 def test_bench_vllm_quick_run_reports_hits_and_same_first_tokens(workdir: Path) -> None:
     """``kvtier bench vllm --quick``: the benchmark's own engines, a smoke run of two modes. The engines' own
     counts show the hits: kvtier's requests compute only their 16 new tokens, which no recompute does."""
@@ -39,6 +40,7 @@ def test_bench_vllm_quick_run_reports_hits_and_same_first_tokens(workdir: Path) 
     assert len(suffix_only) >= len(table), computed_tokens(counts)
 
 
+@pytest.mark.timeout(600)  # the engines start in subprocesses; pytest's 300 s default is too tight on a loaded machine
 def test_bench_vllm_overhead_quick_run_times_kvtier_working_and_paused(workdir: Path) -> None:
     """``kvtier bench vllm-overhead --quick``: engines take turns on new prompts; every request misses (the
     benchmark refuses a hit); the kvtier engine saved every full chunk of the requests it ran working (3 rounds
@@ -61,6 +63,7 @@ def test_bench_vllm_overhead_quick_run_times_kvtier_working_and_paused(workdir: 
     assert ratios["hook_ms"]["median"] > data["results"]["kvtier_cpu_off"]["hook_ms"]["median"] > 0
 
 
+@pytest.mark.timeout(900)  # the engines start in subprocesses; pytest's 300 s default is too tight on a loaded machine
 @pytest.mark.skipif(not DEFAULT_TRACE.exists(), reason="the Mooncake trace in ../shared/traces is not here")
 def test_bench_vllm_replay_quick_run_accounts_every_hit_and_changes_no_answer(workdir: Path) -> None:
     """``kvtier bench vllm-replay --quick``: 150 trace requests through four engines with KV memory for 10% of the
@@ -93,6 +96,7 @@ def test_bench_vllm_replay_quick_run_accounts_every_hit_and_changes_no_answer(wo
         assert scheduled[pid] == prompt_computed + requests * (outputs - 1), mode
 
 
+@pytest.mark.timeout(600)  # the engines start in subprocesses; pytest's 300 s default is too tight on a loaded machine
 def test_bench_vllm_hybrid_quick_run_hits_the_state_and_kv_from_kvtier(workdir: Path) -> None:
     """``kvtier bench vllm --hybrid --quick``: Qwen3-Next, kvtier cpu with vLLM's prefix cache emptied before every
     request. Hits stop at the last 160-token state boundary, and the engine computes only the rest."""

@@ -11,9 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import engine_env
 
 
+@pytest.mark.timeout(900)  # the engines start in subprocesses; pytest's 300 s default is too tight on a loaded machine
 def test_bench_serve_quick_run_accounts_every_hit_and_changes_no_answer(workdir: Path) -> None:
     out = workdir / "vllm_serve.json"
     proc = subprocess.run([sys.executable, "-m", "kvtier", "bench", "serve", "--quick", "--json", str(out),

@@ -290,3 +290,26 @@ async def test_an_impossible_path_in_a_config_is_one_line_naming_the_key_in_ever
     text = str(info.value)
     assert text.startswith("tiers[1].path: cannot use ") and str(tmp_path / "plain" / "cache") in text
     assert "\n" not in text
+
+
+async def test_a_failing_disk_at_start_is_a_tier_the_scheduler_serves_without_not_a_config_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error that is not about the path (EIO from the ledger or the scan) stays an OSError: the scheduler
+    logs it and serves without the tier (a miss source), the engine still starts; the worker sees the OSError."""
+    import errno
+
+    from kvtier.tiers.disk import shared
+
+    def failing_join(*_args: Any, **_kw: Any) -> Any:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(shared.SharedDirectory, "join", failing_join)
+    cfg = load_config({"tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"},
+                                 {"name": "ssd", "kind": "disk", "capacity": "1MiB", "path": str(tmp_path / "c")}]},
+                      env={})
+    tiers = build_tiers(cfg)
+    started = await start_tiers(tiers, Role.SCHEDULER, directory_for(cfg, tiers))
+    assert [t.name for t in started] == []  # the memory tier is the worker's; the disk tier could not start
+    with pytest.raises(OSError) as info:
+        await start_tiers(build_tiers(cfg), Role.WORKER)
+    assert info.value.errno == errno.EIO and not isinstance(info.value, ConfigError)

@@ -12,6 +12,7 @@ valid ones oldest first. It skips what is not a record: each namespace directory
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -29,6 +30,9 @@ SUFFIX = ".kvt"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_SECONDS = 600.0  # a temp file this old is stale even if its writer's pid is alive (pid reuse)
 DIR_MODE = 0o700
+# errors that mean the configured path cannot be this tier's directory (the user's to fix), not a failing disk
+PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EROFS, errno.EEXIST, errno.ENOENT,
+                         errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP})
 
 
 class Layout:

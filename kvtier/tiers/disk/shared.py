@@ -197,8 +197,10 @@ class SharedDirectory:
             return 0
         freed = 0
         for key in _oldest(os.path.join(self.layout.root, richest)):
-            if freed >= wanted or state.bytes.get(richest, 0) <= share:
+            if freed >= wanted:
                 break
+            if state.bytes.get(richest, 0) - _size(self.layout.path(key)) < share:
+                break  # this record would take the namespace below its share
             freed += self._unlink(state, key, evicted)
         return freed
 

@@ -4,8 +4,8 @@ Lifecycle: ``DiskTier(section)`` -> ``await describe(manifests)`` (optional: the
 serves) -> ``await start()`` (creates the root 0700, joins the directory's ledger, removes stale temp files and
 invalid records, rebuilds the index key -> file size from the headers; ``entries()`` then lists what an
 earlier process left in this process's namespaces) -> ``contains`` (index only) / ``get`` / ``put`` /
-``delete`` -> ``await close()`` (waits for writes in flight, leaves the ledger). A root that cannot be created
-or written is a ``ConfigError`` naming the config key.
+``delete`` -> ``await close()`` (waits for writes in flight, leaves the ledger). A root that cannot be made or
+written (``PATH_ERRNOS``) is a ``ConfigError`` naming the key; other OSErrors (a failing disk) propagate: a miss.
 
 A directory several processes share (vLLM instances of different models, the scheduler and worker processes
 of one engine): kvtier.tiers.disk.shared has the rule. One quota for the directory (the first writer's, kept in
@@ -29,8 +29,7 @@ each only if the page cache holds all of it (``RWF_NOWAIT``); the rest, and larg
 goes straight into the returned tensor's memory, recycled from results the caller dropped
 (``kvtier.tiers.memory.recycle``: already touched, never reused while held, payload page-aligned; small records
 of one call share a buffer), and hashes each piece as it arrives instead of in a second pass.
-The index is only touched on the event loop thread, so it needs no lock.
-"""
+The index is only touched on the event loop thread, so it needs no lock."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ from kvtier.keys import DIGEST_BYTES, Key
 from kvtier.metrics import DiskStats, Timer
 from kvtier.runtime import background_thread
 from kvtier.tiers.base import Tier, TierEntry
-from kvtier.tiers.disk.index import DIR_MODE, Layout, scan
+from kvtier.tiers.disk.index import DIR_MODE, PATH_ERRNOS, Layout, scan
 from kvtier.tiers.disk.io import (
     NOWAIT_FLAGS,
     SMALL_RECORD,
@@ -100,6 +99,8 @@ class DiskTier(Tier):
             result = await asyncio.to_thread(self._shared.join, lambda: scan(self.layout, self.capacity_bytes),
                                              sorted(self._records.own))
         except OSError as exc:
+            if exc.errno not in PATH_ERRNOS:
+                raise
             raise ConfigError(f"{self.key_path}.path", f"cannot use {self.layout.root} as the disk tier's directory "
                               f"({exc.strerror or exc})", "set it to a directory this user may create and write"
                               ) from None

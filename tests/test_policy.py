@@ -274,3 +274,18 @@ def test_prefix_hd_queues_a_finished_request_tail_first() -> None:
     p.insert(k(50))  # a new request starts: the previous one is queued again, tail first
     reused_once = [key for key in p.queues[1] if key in {k(i) for i in range(4)}]
     assert reused_once == [k(3), k(2), k(1), k(0)]
+
+
+def test_prefix_lru_tails_first_keeps_the_age_of_a_request_whose_calls_interleave_with_another() -> None:
+    """An engine stores chunks of several requests at once: a new root from another request does not make the
+    request still being stored the oldest (its chunk taken for a tail is restored when a child of it comes)."""
+    p = PrefixLRUPolicy(tails_first=True)
+    c, a, b = [k(i) for i in range(0, 2)], [k(i) for i in range(10, 16)], k(20)
+    p.insert(c[0])
+    p.insert(c[1], c[0])  # request C ends here
+    p.insert(a[0])
+    p.insert(a[1], a[0])
+    p.insert(b)  # request B starts while A is still being stored
+    for i in range(2, 6):
+        p.insert(a[i], a[i - 1])
+    assert p.evict(9) == [c[1], c[0], a[5], a[4], a[3], a[2], a[1], a[0], b]

@@ -8,7 +8,9 @@ tail is older than the head and goes first; a head shared by many requests stays
 
 With ``tails_first``, the last chunk a request stored (usually a partial block, which the next turn of a
 conversation replaces) goes before everything else once the next request starts: it is as good as never
-admitted. A request is a run of calls in prefix order starting at a root (a key whose parent is None).
+admitted. A request is a run of calls in prefix order starting at a root (a key whose parent is None). Requests
+whose calls interleave (an engine saving several at once): a tail taken for the end of its request is restored
+when a child of it is stored later, so a request that goes on keeps its age.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ class PrefixLRUPolicy(EvictionPolicy):
         self._parent: dict[Key, Key | None] = {}
         self._clock = 0
         self._last_stored: Key | None = None  # the key the previous call inserted (None after a touch)
+        self._demoted: dict[Key, tuple[int, int]] = {}  # tails made oldest, with the stamp they had
 
     def _stamp(self, key: Key) -> None:
+        self._demoted.pop(key, None)
         parent = self._parent.get(key)
+        if parent is not None and parent in self._demoted:  # its request went on: it was not a tail
+            self._heap.set(parent, self._demoted.pop(parent))
         prio = self._heap.priority(parent) if parent is not None else None
         if prio is None:
             self._clock += 1
@@ -46,6 +52,7 @@ class PrefixLRUPolicy(EvictionPolicy):
         if self.tails_first:
             last, self._last_stored = self._last_stored, (key if stored else None)
             if parent is None and last is not None and last in self._heap:
+                self._demoted[last] = self._heap.priority(last)  # type: ignore[assignment]
                 self._clock += 1
                 self._heap.set(last, (0, self._clock))  # tick 0: older than every live stamp
 
@@ -66,11 +73,13 @@ class PrefixLRUPolicy(EvictionPolicy):
         if key in self._heap:
             self._heap.discard(key)
             del self._parent[key]
+            self._demoted.pop(key, None)
 
     def evict(self, n: int, protected: Container[Key] = ()) -> list[Key]:
         victims: list[Key] = self._heap.pop(n, protected)  # type: ignore[assignment]
         for key in victims:
             del self._parent[key]
+            self._demoted.pop(key, None)
         return victims
 
     def __contains__(self, key: object) -> bool:

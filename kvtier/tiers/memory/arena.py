@@ -7,7 +7,9 @@ resident memory is at most the high-water mark of the used slots rounded up to 2
 and never more than the capacity rounded up to 2 MiB. Memory of freed slots stays resident for the next record.
 ``commit(end)`` records that mark (``committed``, for stats). Each page's first write pays its fault inside a
 put instead of at start, where touching a whole 16 GiB pool took half a minute; later puts and gets run at the
-same speed as into a buffer touched up front (measured on the 2-core CI VM).
+same speed as into a buffer touched up front (measured on the 2-core CI VM). A first write on a VM is slow
+(3-4 ms per MiB there), so the pages just past the mark are backed ahead in the background
+(:mod:`kvtier.tiers.memory.prefault`): resident memory may exceed the mark by ``min(mark, 64 MiB)``.
 
 Pinned host memory (page-locked, hence resident by definition) and device memory are allocated whole and
 zeroed by ``zero``: there ``committed`` is the capacity from the start.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import mmap
 
 import torch
+
+from kvtier.tiers.memory.prefault import Prefaulter
 
 HUGE_PAGE = 2 << 20  # the buffer's start and the committed mark are aligned to this
 
@@ -33,6 +37,7 @@ class Arena:
     def __init__(self, nbytes: int, device: torch.device, pin_memory: bool) -> None:
         self.nbytes = nbytes
         self._mm: mmap.mmap | None = None
+        self.prefault: Prefaulter | None = None  # backs pages past the mark ahead of puts (pageable memory)
         if device.type != "cpu" or pin_memory:
             self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
             self.committed = nbytes
@@ -48,6 +53,7 @@ class Arena:
         lead = -whole.data_ptr() % HUGE_PAGE
         self.buf = whole[lead:lead + nbytes]
         self.committed = 0
+        self.prefault = Prefaulter(self.buf)
 
     @property
     def on_demand(self) -> bool:
@@ -63,8 +69,13 @@ class Arena:
         """Note that bytes up to ``end`` are about to be written."""
         if end > self.committed:
             self.committed = min(self.nbytes, round_up(end, HUGE_PAGE))
+            if self.prefault is not None:
+                self.prefault.want(self.committed)
 
     def close(self) -> None:
         """Drop the buffer; a mapping is unmapped when the last tensor view of it is gone."""
         self._mm = None
         self.committed = 0
+        if self.prefault is not None:
+            self.prefault.close()
+            self.prefault = None

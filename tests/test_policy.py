@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.policies.hitdensity import TAIL, PrefixHitDensityPolicy
+from kvtier.policies.hitdensity import NUM_BINS, NUM_CLASSES, TAIL, PrefixHitDensityPolicy
 from kvtier.policy import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, PrefixLRUPolicy, S3FIFOPolicy, make_policy
 
 
@@ -289,3 +289,32 @@ def test_prefix_lru_tails_first_keeps_the_age_of_a_request_whose_calls_interleav
     for i in range(2, 6):
         p.insert(a[i], a[i - 1])
     assert p.evict(9) == [c[1], c[0], a[5], a[4], a[3], a[2], a[1], a[0], b]
+
+
+def test_prefix_hd_counts_exposure_by_stamp_bucket_as_it_would_key_by_key() -> None:
+    p, rng = PrefixHitDensityPolicy(0), random.Random(7)
+    for i in range(30_000):
+        if i % 100 == 0 and p.capacity < 400:
+            p.set_capacity(p.capacity + 20)  # a tier filling up with no hint: the bin width grows
+        key = k(int(rng.paretovariate(0.7)) % 2400)
+        if key in p:
+            p.touch(key)
+        else:
+            while len(p) >= max(p.capacity, 1):
+                p.evict(1)
+            p.insert(key, None if rng.random() < 0.3 else k(rng.randrange(2400)))
+        if rng.random() < 0.01:
+            p.remove(next(iter(p.entries)))
+    width, top = p.bin_width, NUM_BINS - 1
+    buckets = 0
+    for cls, occupancy in enumerate(p.occupancy):
+        keyed = [0.0] * NUM_BINS
+        for entry in [*p.entries.values(), *p.ghosts.values()]:
+            if entry.cls == cls:
+                keyed[min((p.clock - entry.stamp) // width, top)] += 1
+        counted = [0.0] * NUM_BINS
+        occupancy.expose(counted, p.clock, width, p._shift, 1.0)
+        assert sum(counted) == pytest.approx(sum(keyed))
+        assert all(abs(c - e) <= 2 + 0.3 * e for c, e in zip(counted, keyed, strict=True)), cls
+        buckets += len(occupancy.buckets)
+    assert len(p.ghosts) > 100 and buckets <= NUM_CLASSES * (NUM_BINS * width // (1 << p._shift) + 2)

@@ -38,6 +38,7 @@ NUM_CLASSES = FRESH + 2 * FRESH_SPAN
 NUM_BINS = 128
 BINS_PER_CAPACITY = 8
 MAX_RUN = 4096  # calls without a root before the policy treats the run as ended
+GROWTH = 1.25  # bin-width growth after which the occupancy is counted again
 
 
 def _log2_bucket(n: int, top: int) -> int:
@@ -79,6 +80,50 @@ class _ClassStats:
         self.exposure = [x * factor for x in self.exposure]
 
 
+class _Occupancy:
+    """Live keys (entries and ghosts) of one class counted by stamp bucket (``1 << shift`` calls wide), and
+    in one count those old enough to sit in the last age bin for good: exposure comes from these counts,
+    so a refresh costs O(buckets), not O(keys)."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, int] = {}
+        self.old = 0
+
+    def add(self, stamp: int, shift: int, old_below: int, n: int) -> None:
+        if stamp < old_below:
+            self.old += n
+            return
+        bucket = stamp >> shift
+        count = self.buckets.get(bucket, 0) + n
+        if count:
+            self.buckets[bucket] = count
+        else:
+            del self.buckets[bucket]
+
+    def expose(self, exposure: list[float], clock: int, width: int, shift: int, elapsed: float) -> None:
+        """Add ``elapsed`` bins of exposure per key, spreading a bucket's keys evenly over its stamps."""
+        top = NUM_BINS - 1
+        exposure[top] += elapsed * self.old
+        for bucket, count in self.buckets.items():
+            first = bucket << shift
+            last = min(first + (1 << shift) - 1, clock)
+            age, oldest = clock - last, clock - first
+            share = elapsed * count / (oldest - age + 1)
+            while age <= oldest:
+                b = age // width
+                if b >= top:
+                    exposure[top] += share * (oldest - age + 1)
+                    break
+                end = min(oldest, (b + 1) * width - 1)
+                exposure[b] += share * (end - age + 1)
+                age = end + 1
+
+    def retire(self, below_bucket: int) -> None:
+        """Move the buckets under ``below_bucket`` into the old count."""
+        for bucket in [b for b in self.buckets if b < below_bucket]:
+            self.old += self.buckets.pop(bucket)
+
+
 class PrefixHitDensityPolicy(EvictionPolicy):
     """Learned, class-based eviction for prefix-structured reuse (see the module docstring)."""
 
@@ -87,10 +132,14 @@ class PrefixHitDensityPolicy(EvictionPolicy):
     def __init__(self, capacity: int = 0, horizon: float = 2.0, ghost_factor: float = 4.0,
                  refresh: float = 0.25, decay: float = 0.9) -> None:
         self.horizon, self.ghost_factor, self.refresh, self.decay = horizon, ghost_factor, refresh, decay
-        super().__init__(capacity)
-        self.queues: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(NUM_CLASSES)]
+        self.occupancy = [_Occupancy() for _ in range(NUM_CLASSES)]
+        self._shift = 0  # stamp buckets are 1 << _shift calls wide, about a quarter of an age bin
+        self._old_below = 0  # keys stamped before this are counted as old (last age bin)
+        self._counted_width = 1  # the bin width the occupancy was counted for
         self.entries: dict[Key, _Entry] = {}
         self.ghosts: OrderedDict[Key, _Entry] = OrderedDict()
+        super().__init__(capacity)
+        self.queues: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(NUM_CLASSES)]
         self.stats = [_ClassStats() for _ in range(NUM_CLASSES)]
         self.clock = 0
         self._refreshed_at = 0
@@ -106,6 +155,23 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         self.bin_width = max(1, capacity // BINS_PER_CAPACITY)
         self.refresh_period = max(64, int(capacity * self.refresh))
         self.horizon_bins = max(1, round(self.horizon * BINS_PER_CAPACITY))
+        if self.bin_width > GROWTH * self._counted_width:
+            self._recount()
+
+    def _recount(self) -> None:
+        """Count the keys again for the current bin width: the old count assumed a narrower one. Runs only
+        when the width has grown by ``GROWTH`` since the last count (a tier filling up with no capacity hint),
+        so it costs O(1) amortised per key."""
+        self._counted_width = self.bin_width
+        self._shift = max(self.bin_width // 4, 1).bit_length() - 1
+        self._old_below = 0
+        self.occupancy = [_Occupancy() for _ in range(NUM_CLASSES)]
+        for entries in (self.entries, self.ghosts):
+            for entry in entries.values():
+                self._count(entry, 1)
+
+    def _count(self, entry: _Entry, n: int) -> None:
+        self.occupancy[entry.cls].add(entry.stamp, self._shift, self._old_below, n)
 
     def _age_bin(self, entry: _Entry) -> int:
         return min((self.clock - entry.stamp) // self.bin_width, NUM_BINS - 1)
@@ -155,7 +221,9 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         entry = self.entries.get(key)
         if entry is not None and entry.uses == 1:
             del self.queues[entry.cls][key]
+            self._count(entry, -1)
             entry.cls = cls
+            self._count(entry, 1)
             self.queues[cls][key] = None
 
     def _fresh_class(self) -> int:
@@ -170,14 +238,16 @@ class PrefixHitDensityPolicy(EvictionPolicy):
 
     def _refresh(self) -> None:
         """Add the exposure since the last refresh (occupancy snapshot x bins elapsed); recompute values."""
-        clock, width, top = self.clock, self.bin_width, NUM_BINS - 1
+        clock, width, shift = self.clock, self.bin_width, self._shift
         elapsed = (clock - self._refreshed_at) / width
         self._refreshed_at = clock
-        exposure = [stats.exposure for stats in self.stats]
-        for entries in (self.entries, self.ghosts):
-            for entry in entries.values():  # _age_bin, inlined: this loop runs over every key and ghost
-                age_bin = (clock - entry.stamp) // width
-                exposure[entry.cls][age_bin if age_bin < top else top] += elapsed
+        for stats, occupancy in zip(self.stats, self.occupancy, strict=True):
+            occupancy.expose(stats.exposure, clock, width, shift, elapsed)
+        old_bucket = (clock - (NUM_BINS - 1) * width + 1) >> shift  # stamps under it stay in the last bin
+        if old_bucket << shift > self._old_below:
+            self._old_below = old_bucket << shift
+            for occupancy in self.occupancy:
+                occupancy.retire(old_bucket)
         pooled = _ClassStats()
         pooled.hits = [sum(col) for col in zip(*(s.hits for s in self.stats), strict=True)]
         pooled.exposure = [sum(col) for col in zip(*(s.exposure for s in self.stats), strict=True)]
@@ -195,12 +265,14 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         self._advance(parent is None)
         ghost = self.ghosts.pop(key, None)
         if ghost is not None:
+            self._count(ghost, -1)
             self._record_reuse(ghost)
             entry = _Entry(REUSED[min(ghost.uses, 3) - 1], self.clock, ghost.uses + 1, parent is None)
         else:
             entry = _Entry(self._fresh_class(), self.clock, 1, parent is None)
             self._stored.append(key)
         self.entries[key] = entry
+        self._count(entry, 1)
         self.queues[entry.cls][key] = None
         self._last_insert = key
         self._note_call(key)
@@ -212,9 +284,11 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         self._advance(entry.root)
         self._record_reuse(entry)
         del self.queues[entry.cls][key]
+        self._count(entry, -1)
         entry.cls = REUSED[min(entry.uses, 3) - 1]
         entry.uses += 1
         entry.stamp = self.clock
+        self._count(entry, 1)
         self.queues[entry.cls][key] = None
         self._note_call(key)
 
@@ -222,6 +296,7 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         entry = self.entries.pop(key, None)
         if entry is not None:
             del self.queues[entry.cls][key]
+            self._count(entry, -1)
 
     def evict(self, n: int, protected: Container[Key] = ()) -> list[Key]:
         victims: list[Key] = []
@@ -259,7 +334,7 @@ class PrefixHitDensityPolicy(EvictionPolicy):
         del self.queues[entry.cls][key]
         self.ghosts[key] = entry
         while len(self.ghosts) > self.ghost_factor * max(self.capacity, 1):
-            self.ghosts.popitem(last=False)
+            self._count(self.ghosts.popitem(last=False)[1], -1)
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries

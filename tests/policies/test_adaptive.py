@@ -141,3 +141,96 @@ def test_a_lead_within_the_noise_does_not_switch() -> None:
     p.scores, p.solo = [500.0, 560.0], [30.0, 90.0]  # 60 more: over 3 x sqrt(120) ~ 33
     p._duel()
     assert p.leader == 1 and p.switches == 1
+
+
+# ---- edges: a hint above what the tier holds, a shrinking tier, interleaved requests, shadow-only keys ----
+
+def skewed(n: int, seed: int, keys: int = 5000) -> list[tuple[int, ...]]:
+    """One-chunk requests with Pareto-skewed keys: a stream where recency matters."""
+    rng = random.Random(seed)
+    return [(int(rng.paretovariate(0.8)) % keys,) for _ in range(n)]
+
+
+def test_identical_candidates_never_switch_when_the_hint_is_above_what_the_tier_holds() -> None:
+    p = AdaptivePolicy(200, candidates=(LRUPolicy, LRUPolicy))
+    drive(p, skewed(40_000, seed=0), 100)
+    assert p.switches == 0 and p.scores[0] == p.scores[1]
+    assert [len(s) for s in p.shadows] == [100, 100]  # each shadow simulates the 100 keys the tier holds
+
+
+def test_a_hint_above_what_the_tier_holds_evicts_as_the_candidate_would_at_the_tiers_size() -> None:
+    reqs = skewed(5000, seed=1)
+    assert drive(AdaptivePolicy(200, candidates=(LRUPolicy, LRUPolicy)), reqs, 100) == drive(LRUPolicy(100), reqs, 100)
+    reqs = list(sessions(60, seed=1))
+    p = AdaptivePolicy(40)
+    assert drive(p, reqs, 20) == drive(PrefixLRUPolicy(20, tails_first=True), reqs, 20)
+    assert p.leader == 0 and [s.capacity for s in p.shadows] == [20, 20]
+
+
+def test_the_leaders_next_victim_leaves_keys_the_tier_does_not_hold_in_its_shadow() -> None:
+    p = AdaptivePolicy(3, candidates=(LRUPolicy, PrefixLRUPolicy))
+    p.leader = 1
+    drive(p, [(1, 2, 3)], 3)
+    assert p.evict(1, protected={2, 3}) == [1]  # the prefix LRU leader frees 1; the LRU shadow keeps it
+    p.leader = 0
+    assert p.evict(1) == [2]  # LRU's next victim among the keys the tier holds ...
+    p.insert(4)
+    lru = p.shadows[0]
+    assert list(lru._order) == [1, 3, 4] and len(lru) == lru.capacity  # type: ignore[attr-defined]
+    # ... while its simulation keeps 1: a full shadow of 3 keys, not one shrunk to what the tier holds
+
+
+def test_a_tier_shrunk_by_set_capacity_shrinks_its_shadows() -> None:
+    p = AdaptivePolicy(100)
+    reqs = list(sessions(400, seed=4))
+    drive(p, reqs[:300], 100)
+    p.set_capacity(50)
+    victims = drive(p, reqs[300:], 50)
+    assert victims and len(p) == 50
+    assert [s.capacity for s in p.shadows] == [50, 50] and all(len(s) <= 50 for s in p.shadows)
+
+
+def test_without_a_hint_the_shadows_follow_a_tier_that_shrinks() -> None:
+    p = AdaptivePolicy(candidates=(LRUPolicy, LRUPolicy))
+    drive(p, [(i,) for i in range(-300, 0)], 200)
+    assert [s.capacity for s in p.shadows] == [200, 200]
+    drive(p, skewed(20_000, seed=6), 100)  # the tier now holds 100 (bigger records, say)
+    assert [s.capacity for s in p.shadows] == [100, 100] and all(len(s) == 100 for s in p.shadows)
+    assert p.switches == 0
+
+
+def test_interleaved_requests_score_as_if_they_ran_one_after_the_other() -> None:
+    def scores(order: list[tuple[str, str | None]]) -> list[float]:
+        p = AdaptivePolicy(10)
+        drive(p, [("x0", "x1", "x2")], 10)
+        before = list(p.scores)
+        for key, parent in order:
+            p.touch(key) if key in p else p.insert(key, parent)
+        return [a - b for a, b in zip(p.scores, before, strict=True)]
+
+    one_after_other = [("x0", None), ("x1", "x0"), ("x2", "x1"), ("y0", None), ("y1", "y0")]
+    interleaved = [("x0", None), ("y0", None), ("x1", "x0"), ("y1", "y0"), ("x2", "x1")]
+    assert scores(one_after_other) == scores(interleaved) == [3.0, 3.0]  # x0..x2 hit; the new y0, y1 do not
+
+
+def test_a_call_whose_parent_missed_in_a_shadow_scores_no_hit_there() -> None:
+    p = AdaptivePolicy(3, candidates=(LRUPolicy, PrefixLRUPolicy))
+    drive(p, [(1, 2, 3)], 3)
+    p.insert(4)  # the LRU shadow drops 1; the tier and the prefix LRU shadow keep it
+    assert 1 in p and 1 not in p.shadows[0] and 1 in p.shadows[1]
+    before = list(p.scores)
+    p.touch(1)  # a miss in the LRU shadow, a hit in the other
+    p.touch(2)  # held in both shadows, but on a held prefix only in the prefix LRU one
+    assert [a - b for a, b in zip(p.scores, before, strict=True)] == [0.0, 2.0]
+
+
+def test_remove_drops_a_key_that_only_a_shadow_holds() -> None:
+    p = AdaptivePolicy(3, candidates=(LRUPolicy, PrefixLRUPolicy))
+    p.leader = 1
+    drive(p, [(1, 2, 3)], 3)
+    assert p.evict(1) == [3] and 3 in p.shadows[0] and 3 not in p
+    p.remove(3)
+    assert all(3 not in s for s in p.shadows) and len(p) == 2
+    before = list(p.scores)
+    p.insert(3, 2)
+    assert p.scores == before  # no shadow scores a hit on the removed key

@@ -330,6 +330,6 @@ def test_page_scatter_to_a_block_past_the_layer_raises_and_writes_no_other_block
     payload = gather(src, [[1, 2], [3, 4]], KVLayout.PAGES)
     dst = _paged(KVLayout.PAGES, 2, torch.float32, seed=5)
     before = [t.clone() for t in dst]
-    with pytest.raises((IndexError, RuntimeError)):
+    with pytest.raises(IndexError, match="outside the layers"):  # checked before any write (a device would assert)
         scatter(dst, [[NUM_BLOCKS - 2, NUM_BLOCKS - 1], [NUM_BLOCKS, NUM_BLOCKS + 1]], KVLayout.PAGES, payload)
-    assert all(torch.equal(a[:NUM_BLOCKS - 2], b[:NUM_BLOCKS - 2]) for a, b in zip(dst, before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))

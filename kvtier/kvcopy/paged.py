@@ -153,12 +153,21 @@ def scatter_into(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[in
     one ``index_copy_`` per layer and block position. Otherwise one slice copy per chunk, layer and run of
     consecutive blocks, all in one ``torch._foreach_copy_`` (a C++ loop)."""
     rows = [page_rows(t) for t in layers]
+    _check_ids(block_ids, rows[0].shape[0])
     if all(r.dim() == 2 for r in rows):
         step = _spacing(chunks)
         if step is not None and (_select_into(rows, block_ids, chunks[0], step)
                                  or _scatter_columns(rows, block_ids, chunks[0], step)):
             return
     _copy_all(_chunk_pairs(rows, block_ids, chunks, range(len(chunks))))
+
+
+def _check_ids(block_ids: Sequence[Sequence[int]], num_blocks: int) -> None:
+    """Raise IndexError (before any write) for a block id outside the layers: an index kernel on a device would
+    fail with an assert that takes the device context down instead."""
+    ids = [b for chunk in block_ids for b in chunk]
+    if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+        raise IndexError(f"block ids {min(ids)}..{max(ids)} outside the layers' {num_blocks} blocks")
 
 
 def _chunk_pairs(rows: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], chunks: Sequence[torch.Tensor],

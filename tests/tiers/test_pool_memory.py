@@ -265,3 +265,26 @@ def test_a_pool_dropped_without_close_frees_its_memory_and_its_prefault_thread_e
     gc.collect()
     thread.join(3 * IDLE_CHECK_S + 5.0)
     assert not thread.is_alive()
+
+
+def test_backing_ahead_retries_an_interrupted_call_and_stops_where_the_kernel_refuses() -> None:
+    """EINTR / EAGAIN (a signal, a transient shortage) is tried again; EINVAL (no MADV_POPULATE_WRITE) stops."""
+    import ctypes
+    import errno
+
+    from kvtier.tiers.memory.prefault import MADV_POPULATE_WRITE, _populate
+
+    def kernel(answers: list[int]) -> tuple[list[int], Any]:
+        calls: list[int] = []
+
+        def madvise(address: int, length: int, advice: int) -> int:
+            calls.append(advice)
+            code = answers[len(calls) - 1]
+            ctypes.set_errno(code)
+            return 0 if code == 0 else -1
+        return calls, madvise
+
+    calls, madvise = kernel([errno.EINTR, errno.EAGAIN, 0])
+    assert _populate(madvise, 4096, 4096) and calls == [MADV_POPULATE_WRITE] * 3
+    calls, madvise = kernel([errno.EINVAL, 0])
+    assert not _populate(madvise, 4096, 4096) and len(calls) == 1

@@ -15,6 +15,7 @@ ahead (puts fault as before). Resident memory is then at most the written mark p
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import sys
 import threading
@@ -46,6 +47,19 @@ def populate_call() -> Madvise | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _populate(madvise: Madvise, address: int, length: int) -> bool:
+    """Back ``length`` bytes at ``address``; a call interrupted (EINTR, EAGAIN) is tried again, up to 3 times.
+    False when the kernel refuses it (then nothing more is backed ahead)."""
+    for _ in range(3):
+        if madvise(address, length, MADV_POPULATE_WRITE) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code not in (errno.EINTR, errno.EAGAIN):
+            break
+    log.debug("pool pages are not backed ahead of puts (errno %d)", ctypes.get_errno())
+    return False
 
 
 class Prefaulter:
@@ -111,8 +125,7 @@ class Prefaulter:
             if step is None:
                 break
             buf, start, end = step
-            if madvise(buf.data_ptr() + start, end - start, MADV_POPULATE_WRITE) != 0:
-                log.debug("pool pages are not backed ahead of puts (errno %d)", ctypes.get_errno())
+            if not _populate(madvise, buf.data_ptr() + start, end - start):
                 break
             del buf, step  # hold the pool only during the call
         self.close()

@@ -13,8 +13,8 @@ import sys
 
 from kvtier.cli import KvtierParser
 
-HELP = ("run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-replay, serve, fingerprint, "
-        "copy")
+HELP = ("run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-contention, vllm-replay, "
+        "serve, fingerprint, copy")
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "hit-rate": ("kvtier.bench.hitrate", "token hit rate of each eviction policy on a trace or workload"),
@@ -25,6 +25,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
              "kvtier from each tier"),
     "vllm-overhead": ("kvtier.bench.vllm_overhead", "cost of an active kvtier on requests that never hit, in "
                       "vLLM's CPU engine"),
+    "vllm-contention": ("kvtier.bench.vllm_contention", "async kvtier loads beside a decoding batch in vLLM's CPU "
+                        "engine: its step time with and without them"),
     "vllm-replay": ("kvtier.bench.vllm_replay", "a real trace through vLLM's CPU engine with too little KV memory: "
                     "its prefix cache alone vs + kvtier"),
     "serve": ("kvtier.bench.serve", "a trace through vLLM's OpenAI server with concurrent clients: its prefix cache "
@@ -32,7 +34,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fingerprint": ("kvtier.bench.fingerprint", "start-up cost of the weights fingerprint beside a plain read"),
     "copy": ("kvtier.bench.copy", "the copy of a hit into the engine's blocks beside a plain memory copy"),
 }
-NEEDS_VLLM_CPU = ("vllm", "vllm-overhead", "vllm-replay")  # they start vLLM's CPU engine
+NEEDS_VLLM_CPU = ("vllm", "vllm-overhead", "vllm-contention", "vllm-replay")  # they start vLLM's CPU engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

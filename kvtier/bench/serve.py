@@ -82,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt", type=positive_int, default=1024, help="prompt tokens at most")
     parser.add_argument("--max-output", type=positive_int, default=16, help="generated tokens at most")
     parser.add_argument("--time-scale", type=positive_float, default=1.0, help="arrival times x this factor")
+    parser.add_argument("--sessions", type=positive_int, default=1,
+                        help="keep one conversation in N, whole (the trace's reuse in fewer requests)")
     parser.add_argument("--rate", type=positive_float, help="requests/s in trace order instead of its times")
     parser.add_argument("--concurrency", type=positive_int, help="clients at most in flight (default "
                         f"{FULL['concurrency']}, {QUICK['concurrency']} with --quick)")
@@ -316,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
     problem = trace_problem(args)
     if problem is not None:
         return _error(problem)
-    scaling = Scaling(args.block_tokens, args.max_prompt, args.max_output, args.time_scale, args.rate)
+    scaling = Scaling(args.block_tokens, args.max_prompt, args.max_output, args.time_scale, args.rate,
+                      args.sessions)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-")))
         try:

@@ -83,6 +83,10 @@ def hit_summary(before: Samples, after: Samples) -> dict[str, Any]:
             "kvtier_tier_read_bytes": {t: int(_delta(after, before, "kvtier_tier_read_bytes_total", tier=t))
                                        for t in _label_values(after, "kvtier_tier_read_bytes_total", "tier")},
             "kvtier_tier_errors": int(_delta(after, before, "kvtier_tier_errors_total")),
+            "kvtier_tier_errors_by_kind": {  # timeout / error / server, per tier: what a failure count is made of
+                f"{t}:{k}": n for t in _label_values(after, "kvtier_tier_errors_total", "tier")
+                for k in _label_values(after, "kvtier_tier_errors_total", "kind")
+                if (n := int(_delta(after, before, "kvtier_tier_errors_total", tier=t, kind=k)))},
             "prefill_computed_tokens": int(_delta(after, before, PREFILL_COMPUTED)),
             "prefix_cache_queries": int(_delta(after, before, "vllm:prefix_cache_queries_total")),
             "prefix_cache_hits": int(_delta(after, before, "vllm:prefix_cache_hits_total"))}

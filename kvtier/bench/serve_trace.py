@@ -4,7 +4,11 @@ this machine, with its arrival times, and the same requests as a hit-rate worklo
 Scaling (kvtier.bench.vllm_replay's): each 512-token hash block becomes ``block_tokens`` deterministic token ids
 seeded by its id, the prompt length is scaled by ``block_tokens / 512`` and capped at ``max_prompt``; the output
 length is scaled the same way and kept within 1 .. ``max_output``. Arrival times are the trace's times times
-``time_scale``, or ``1 / rate`` seconds apart in trace order when a rate is given.
+``time_scale``, or ``1 / rate`` seconds apart in trace order when a rate is given. ``sessions`` = N keeps one
+conversation in N, whole: a conversation is the requests that share their first two hash blocks (every Mooncake
+request starts with the common block 0, so the second block names the conversation), chosen by a stable hash of
+those ids. Taking the first N requests instead keeps the trace's start, where few conversations have a next turn
+yet; sampling conversations keeps the whole hour's reuse in fewer requests.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +37,15 @@ class Scaling:
     max_output: int = 16
     time_scale: float = 1.0
     rate: float | None = None  # requests per second, in trace order; overrides the trace's times
+    sessions: int = 1  # keep one conversation in this many (1: every request)
 
     def describe(self) -> str:
         arrivals = (f"{self.rate:g} requests/s in trace order" if self.rate
                     else f"trace times x {self.time_scale:g}")
+        sample = f", one conversation in {self.sessions}" if self.sessions > 1 else ""
         return (f"scaling: each 512-token hash block -> {self.block_tokens} tokens, prompts <= {self.max_prompt} "
                 f"tokens, outputs <= {self.max_output} tokens (scaled by {self.block_tokens}/512), "
-                f"arrivals: {arrivals}")
+                f"arrivals: {arrivals}{sample}")
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,9 @@ class ServeRequest:
     hash_ids: tuple[int, ...]
 
 
-def read_rows(path: Path, requests: int) -> list[dict[str, Any]]:
-    """The first ``requests`` lines of a Mooncake-format JSONL trace; ValueError naming a bad line."""
+def read_rows(path: Path, requests: int, sessions: int = 1) -> list[dict[str, Any]]:
+    """The first ``requests`` lines of a Mooncake-format JSONL trace (of its conversations that ``sessions``
+    samples: see ``sampled``); ValueError naming a bad line."""
     rows: list[dict[str, Any]] = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
@@ -62,12 +70,23 @@ def read_rows(path: Path, requests: int) -> list[dict[str, Any]]:
                 continue
             try:
                 row = json.loads(line)
-                rows.append({"timestamp": int(row.get("timestamp", 0)), "input_length": int(row["input_length"]),
-                             "output_length": int(row.get("output_length", 1)),
-                             "hash_ids": [int(h) for h in row["hash_ids"]]})
+                parsed = {"timestamp": int(row.get("timestamp", 0)), "input_length": int(row["input_length"]),
+                          "output_length": int(row.get("output_length", 1)),
+                          "hash_ids": [int(h) for h in row["hash_ids"]]}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace line ({exc})") from None
+            if sampled(parsed["hash_ids"], sessions):
+                rows.append(parsed)
     return rows
+
+
+def sampled(hash_ids: Sequence[int], sessions: int) -> bool:
+    """Whether the conversation of a request with ``hash_ids`` (its first two blocks) is one of the one in
+    ``sessions`` kept: a stable hash of those ids, the same in every run."""
+    if sessions <= 1:
+        return True
+    head = ",".join(str(h) for h in hash_ids[:2]).encode()
+    return zlib.crc32(head) % sessions == 0
 
 
 def synthetic_rows(conversations: int = 6, turns: int = 4, first_blocks: int = 4, new_blocks: int = 3,
@@ -116,8 +135,9 @@ def prompt_of(row: dict[str, Any], block_tokens: int, max_prompt: int, blocks: d
 
 
 def scale(path: Path, requests: int, scaling: Scaling) -> list[ServeRequest]:
-    """The first ``requests`` requests of the trace at ``path``, scaled (see the module's description)."""
-    rows = read_rows(path, requests)
+    """The first ``requests`` requests of the trace at ``path`` (of its sampled conversations), scaled (see the
+    module's description)."""
+    rows = read_rows(path, requests, scaling.sessions)
     ratio = scaling.block_tokens / MOONCAKE_BLOCK_TOKENS
     start = rows[0]["timestamp"] if rows else 0
     blocks: dict[int, list[int]] = {}

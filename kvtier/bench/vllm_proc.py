@@ -8,6 +8,8 @@ engine reported cached and how many of them kvtier loaded, the CPU time kvtier's
 and the time the engine's thread spent inside kvtier's connector hooks.
 ``{"flush": true}`` waits for kvtier's pending saves and answers its worker counters (the driver calls it,
 untimed, between turns, so that one engine's background saves never fall into another's timed request);
+``{"mixed": {"decode": [...], "decode_tokens": N, "load": [...]}}`` runs a decoding batch and adds the ``load``
+prompts mid-decode, answering every step's record (kvtier.bench.vllm_steps).
 ``{"kvtier": false}`` pauses kvtier's scheduler half (no lookups hit, no saves are planned) and ``true`` resumes it,
 so that one engine process is timed with and without kvtier's work: two engine processes of the same settings
 differ by several percent on this kind of machine, kvtier or not.
@@ -221,6 +223,13 @@ def serve(spec_path: str) -> None:
         if "kvtier" in request:
             print(json.dumps({"kvtier": _switch(llm, bool(request["kvtier"]))}), flush=True)
             continue
+        if "mixed" in request:  # a decoding batch with loading requests added mid-decode (kvtier.bench.vllm_steps)
+            from kvtier.bench.vllm_steps import mixed_batch
+
+            mixed = request["mixed"]
+            print(json.dumps(mixed_batch(llm, _scheduler(llm), mixed["decode"], mixed["decode_tokens"],
+                                         mixed["load"])), flush=True)
+            continue
         params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, detokenize=False)
         steps.clear()
         hooks.seconds = 0.0
@@ -277,6 +286,10 @@ class Engine:
         """Turn kvtier's work on or off in this engine."""
         if not self.send({"kvtier": on}).get("kvtier"):
             raise RuntimeError(f"engine {self.mode}: kvtier cannot be switched there")
+
+    def mixed(self, decode: Sequence[list[int]], decode_tokens: int, load: Sequence[list[int]]) -> dict[str, Any]:
+        """A decoding batch with ``load`` added mid-decode: per-step and per-request records."""
+        return self.send({"mixed": {"decode": list(decode), "decode_tokens": decode_tokens, "load": list(load)}})
 
     def flush(self) -> dict[str, Any]:
         counters: dict[str, Any] = self.send({"flush": True}).get("counters", {})

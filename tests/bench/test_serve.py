@@ -63,6 +63,26 @@ def test_a_hash_block_maps_to_the_same_run_of_tokens_in_every_run_and_request(tm
     assert len(wide[0].prompt) == 250 and wide[0].prompt[64:128] == block_token_ids(1, 64)
 
 
+def test_sampling_conversations_keeps_each_chosen_conversation_whole_and_stable(tmp_path: Path) -> None:
+    rows = []
+    for turn in range(3):  # 40 conversations of 3 turns; conversation c's second block is 1000 + c
+        for conv in range(40):
+            rows.append({"timestamp": (turn * 40 + conv) * 100, "input_length": 512 * (2 + turn),
+                         "output_length": 8, "hash_ids": [0, 1000 + conv] + [5000 + 10 * conv + t for t in range(turn)]})
+    path = write_rows(rows, tmp_path / "conversations.jsonl")
+    every = scale(path, 1000, Scaling())
+    kept = scale(path, 1000, Scaling(sessions=4))
+    assert len(every) == 120
+    conversations = {r.hash_ids[1] for r in kept}
+    assert 0 < len(conversations) < 40  # some conversations, not all
+    assert len(kept) == 3 * len(conversations)  # each kept one with all of its turns
+    assert [r.hash_ids[1] for r in kept] == [r.hash_ids[1] for r in every if r.hash_ids[1] in conversations]
+    assert kept[0].arrival_s == 0.0  # times count from the first kept request
+    assert [r.prompt for r in scale(path, 1000, Scaling(sessions=4))] == [r.prompt for r in kept]  # the same set
+    assert len(scale(path, 5, Scaling(sessions=4))) == 5  # --requests counts kept requests
+    assert "one conversation in 4" in Scaling(sessions=4).describe()
+
+
 def test_a_trace_line_without_input_length_or_a_trace_without_requests_is_a_value_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}\n{"timestamp": 1, "hash_ids": [1]}\n')
@@ -116,6 +136,16 @@ def test_hit_rates_by_source_and_kvtier_tiers_reconcile_with_vllms_external_coun
     assert row["kvtier_tier_read_bytes"] == {"cpu": 600, "disk": 400} and row["prefill_computed_tokens"] == 600
     off = serve_report.hit_summary(before, _samples(700, 200, 100, {"cpu": 60, "disk": 30}))
     assert not off["reconciled"] and off["reconcile_difference"] == -10
+
+
+def test_tier_errors_are_split_by_tier_and_kind() -> None:
+    before = {**_samples(0, 0, 0, {}), ("kvtier_tier_errors_total", (("kind", "timeout"), ("tier", "redis"))): 2.0}
+    after = {**_samples(10, 0, 0, {}), **{("kvtier_tier_errors_total", (("kind", k), ("tier", t))): n
+                                          for k, t, n in (("timeout", "redis", 9.0), ("error", "redis", 1.0),
+                                                          ("error", "disk", 0.0))}}
+    row = serve_report.hit_summary(before, after)
+    assert row["kvtier_tier_errors"] == 8
+    assert row["kvtier_tier_errors_by_kind"] == {"redis:timeout": 7, "redis:error": 1}  # no zero rows
 
 
 def test_a_prefix_only_server_has_engine_hits_and_no_kvtier_hits() -> None:

@@ -118,3 +118,29 @@ def test_bench_vllm_hybrid_quick_run_hits_the_state_and_kv_from_kvtier(workdir: 
         assert rows["kvtier_cpu"]["cached_tokens"] == hit
         assert rows["kvtier_cpu"]["same_first_token_as_none"] is True
         assert int(length) + SUFFIX - hit in computed, sorted(computed)
+
+
+@pytest.mark.timeout(600)  # the engines start in subprocesses; pytest's 300 s default is too tight on a loaded machine
+def test_bench_vllm_contention_quick_run_loads_beside_a_decoding_batch(workdir: Path) -> None:
+    """``kvtier bench vllm-contention --quick``: requests that load their prefix from disk join a decoding batch.
+    Their loads were in flight while the batch decoded (steps counted during loads); they hit their whole
+    prefix, and the engine computed only their 16 new tokens (its own count), which no recompute does; their
+    tokens equal those of the engine without kvtier, which prefilled them."""
+    from kvtier.bench.vllm_contention import SUFFIX
+
+    out = workdir / "vllm_contention.json"
+    counts = workdir / "counts.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "bench", "vllm-contention", "--quick", "--modes", "none",
+                           "kvtier_disk", "--json", str(out), "--no-plot"],
+                          env={**engine_env(workdir), **counts_env(counts)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    data = json.loads(out.read_text())
+    settings, rows = data["settings"], data["results"]
+    assert data["same_tokens"] == {"none": True, "kvtier_disk": True}
+    assert rows["kvtier_disk"]["loaders_hit_whole_prefix"] is True
+    assert all(c == settings["length"] for r in data["raw"]["kvtier_disk"] for c in r["cached"])
+    assert all(c == 0 for r in data["raw"]["none"] for c in r["cached"])
+    assert rows["kvtier_disk"]["during_steps_per_round"] > 0 and rows["kvtier_disk"]["during_vs_alone"]["median"] > 0
+    loaded = 2 * (settings["rounds"] + 1) * settings["loaders"]  # with the batch and alone, warm-up round too
+    assert sum(1 for _, n in computed_tokens(counts) if n == SUFFIX) >= loaded

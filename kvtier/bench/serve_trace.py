@@ -70,12 +70,12 @@ def read_rows(path: Path, requests: int, sessions: int = 1) -> list[dict[str, An
                 continue
             try:
                 row = json.loads(line)
+                hash_ids = [int(h) for h in row["hash_ids"]]
                 parsed = {"timestamp": int(row.get("timestamp", 0)), "input_length": int(row["input_length"]),
-                          "output_length": int(row.get("output_length", 1)),
-                          "hash_ids": [int(h) for h in row["hash_ids"]]}
+                          "output_length": int(row.get("output_length", 1)), "hash_ids": hash_ids}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace line ({exc})") from None
-            if sampled(parsed["hash_ids"], sessions):
+            if sampled(hash_ids, sessions):
                 rows.append(parsed)
     return rows
 

@@ -8,8 +8,10 @@ whether those loads slow the engine's steps (the GIL, the cores) and whether the
 
 Each round runs, in every engine, the batch twice in a random order: once alone and once with the loading
 requests added; and the loading requests alone on the idle engine. Per mode: the median decode step of the batch
-alone, of the batch's steps while loads were in flight (before the loaded requests joined the batch), their ratio
-(paired by round), and the loading requests' time to first token beside the same on the idle engine. ``none``
+alone, of the batch's decode steps while loads were in flight (before the loaded requests joined the batch), their
+ratio (paired by round), the time those steps took beyond the batch's usual step ("extra") beside the CPU time
+kvtier's threads spent on the loads, and the loading requests' time to first token beside the same on the idle
+engine. ``none``
 (no kvtier, vLLM's prefix cache off) prefills the same requests instead: its "during" steps are the batch's steps
 that carried that prefill. Every loading request's tokens must equal ``none``'s, and kvtier's must have hit its
 whole prefix (the engine's count of cached tokens).
@@ -64,12 +66,11 @@ def kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None) -> 
 
 
 def decode_steps(steps: Sequence[dict[str, Any]], during: bool) -> list[float]:
-    """Step times of the batch decoding alone (``during=False``: no request waiting for a load, one token per
-    running request), or of its steps while loads were in flight (``during=True``: some request waiting for an
-    asynchronous load; for ``none``, the steps that prefilled the added requests beside the batch)."""
-    if during:
-        return [s["s"] for s in steps if s["remote"] > 0]
-    return [s["s"] for s in steps if s["remote"] == 0 and s["tokens"] == s["running"] and s["running"] > 0]
+    """Step times of the batch decoding (one token per running request): alone (``during=False``: no request
+    waiting for a load), or while loads were in flight (``during=True``: some request waiting for an asynchronous
+    load; the step that scatters a finished read into the blocks counts here too)."""
+    decoding = [s for s in steps if s["tokens"] == s["running"] and s["running"] > 0]
+    return [s["s"] for s in decoding if (s["remote"] > 0) == during]
 
 
 def prefill_steps(steps: Sequence[dict[str, Any]]) -> list[float]:
@@ -94,8 +95,11 @@ def round_sample(mode: str, runs: dict[str, Any]) -> dict[str, Any]:
     with_loads = runs["with_loads"]["steps"]
     during = prefill_steps(with_loads) if mode == "none" else decode_steps(with_loads, during=True)
     busy, idle = runs["with_loads"]["first_token_s"], runs["idle"]["first_token_s"]
+    extra = sum(during) - len(during) * statistics.median(alone)
+    thread = runs["with_loads"]["kvtier_thread_s"] - runs["alone"]["kvtier_thread_s"]
     return {"alone_step_s": statistics.median(alone), "during_step_s": statistics.median(during) if during else None,
-            "during_steps": len(during), "loader_ttft_busy_s": statistics.median(busy),
+            "during_steps": len(during), "extra_step_s": extra, "load_thread_s": thread,
+            "loader_ttft_busy_s": statistics.median(busy),
             "loader_ttft_idle_s": statistics.median(idle),
             "cached": runs["with_loads"]["cached"] + runs["idle"]["cached"],
             "tokens": runs["with_loads"]["tokens"] + runs["idle"]["tokens"]}
@@ -147,6 +151,8 @@ def summarize(samples: dict[str, list[dict[str, Any]]], length: int) -> dict[str
             if paired else None,
             "during_vs_alone": Spread.of(paired).as_dict() if paired else None,
             "during_steps_per_round": statistics.median(r["during_steps"] for r in rows),
+            "extra_step_s": Spread.of([r["extra_step_s"] for r in rows]).as_dict(),
+            "load_thread_s": Spread.of([r["load_thread_s"] for r in rows]).as_dict(),
             "loader_ttft_busy_s": Spread.of([r["loader_ttft_busy_s"] for r in rows]).as_dict(),
             "loader_ttft_idle_s": Spread.of([r["loader_ttft_idle_s"] for r in rows]).as_dict(),
             "loaders_hit_whole_prefix": mode == "none" or all(c >= length for r in rows for c in r["cached"]),
@@ -156,12 +162,14 @@ def summarize(samples: dict[str, list[dict[str, Any]]], length: int) -> dict[str
 
 def _print(table: dict[str, Any]) -> None:
     print(f"{'mode':<14} {'step alone ms':>13} {'step during loads ms':>20} {'during/alone':>12} "
-          f"{'steps during':>12} {'loader TTFT busy ms':>19} {'idle ms':>8} {'loaders hit':>11}")
+          f"{'steps during':>12} {'extra ms':>8} {'kvtier CPU ms':>13} {'loader TTFT busy ms':>19} {'idle ms':>8} "
+          f"{'loaders hit':>11}")
     for mode, row in table.items():
         during = row["during_step_s"]["median"] * 1e3 if row["during_step_s"] else float("nan")
         ratio = row["during_vs_alone"]["median"] if row["during_vs_alone"] else float("nan")
         print(f"{mode:<14} {row['alone_step_s']['median'] * 1e3:13.2f} {during:20.2f} {ratio:12.3f} "
-              f"{row['during_steps_per_round']:12.1f} {row['loader_ttft_busy_s']['median'] * 1e3:19.1f} "
+              f"{row['during_steps_per_round']:12.1f} {row['extra_step_s']['median'] * 1e3:8.1f} "
+              f"{row['load_thread_s']['median'] * 1e3:13.1f} {row['loader_ttft_busy_s']['median'] * 1e3:19.1f} "
               f"{row['loader_ttft_idle_s']['median'] * 1e3:8.1f} {row['loaders_hit_whole_prefix']!s:>11}")
 
 

@@ -3,9 +3,9 @@ requests that load their prefix from kvtier asynchronously added to it mid-decod
 time with each step's record (``kvtier bench vllm-contention``).
 
 Per step: its wall time, the prompt and decode tokens it computed (from the scheduler's output), how many
-requests were waiting for an asynchronous kvtier load when it ran, and how many were running. Per added
-request: the seconds from being added to the end of the step that gave it its first token, and the tokens the
-engine reported cached for it.
+requests were waiting for an asynchronous kvtier load when it ran, and how many were running; the CPU time of
+kvtier's threads over the whole run. Per added request: the seconds from being added to the end of the step that
+gave it its first token, and the tokens the engine reported cached for it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from kvtier.bench.vllm_proc import kvtier_thread_seconds
 
 STEADY_STEPS = 4  # decode steps of the batch alone before the loading requests are added
 
@@ -53,6 +55,7 @@ def mixed_batch(llm: Any, scheduler: Any, decode: Sequence[list[int]], decode_to
     tokens: dict[str, list[int]] = {}
     decoding = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True, detokenize=False)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
+    cpu0 = kvtier_thread_seconds()
     try:
         for i, prompt in enumerate(decode):
             engine.add_request(f"d{i}", TokensPrompt(prompt_token_ids=list(prompt)), decoding)
@@ -81,6 +84,7 @@ def mixed_batch(llm: Any, scheduler: Any, decode: Sequence[list[int]], decode_to
                 decoded += 1
     finally:
         scheduler.schedule = original
-    return {"steps": steps, "first_token_s": [first.get(f"l{i}") for i in range(len(load))],
+    return {"steps": steps, "kvtier_thread_s": kvtier_thread_seconds() - cpu0,
+            "first_token_s": [first.get(f"l{i}") for i in range(len(load))],
             "cached": [cached.get(f"l{i}", 0) for i in range(len(load))],
             "tokens": [tokens.get(f"l{i}", []) for i in range(len(load))]}

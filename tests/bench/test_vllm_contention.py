@@ -15,19 +15,21 @@ def _step(s: float, tokens: int, running: int, remote: int = 0) -> dict[str, Any
 
 
 STEPS = [_step(0.5, 256, 4), _step(0.010, 4, 4), _step(0.011, 4, 4),  # prefill of the batch, then decode
-         _step(0.030, 4, 4, remote=2), _step(0.020, 4, 4, remote=1),  # loads in flight beside decode steps
-         _step(0.2, 36, 6), _step(0.012, 4, 4)]  # the loaded requests' suffixes computed, then decode again
+         _step(0.030, 4, 4, remote=2), _step(0.020, 4, 4, remote=2),  # loads in flight beside decode steps
+         _step(0.2, 36, 4, remote=2),  # the loaded requests leave the wait and compute their suffixes
+         _step(0.012, 4, 4)]  # decode again
 
 
 def test_decode_steps_alone_are_one_token_per_running_request_with_no_load_waiting() -> None:
     assert decode_steps(STEPS, during=False) == [0.010, 0.011, 0.012]
     assert decode_steps(STEPS, during=True) == [0.030, 0.020]
-    assert prefill_steps(STEPS) == [0.5, 0.2]
+    assert prefill_steps(STEPS) == [0.5, 0.2]  # a prefill step is never a decode step, loads or not
 
 
 def _runs(alone: float, during: float, busy: float, idle: float, cached: int, tokens: list[int]) -> dict[str, Any]:
-    return {"alone": {"steps": [_step(alone, 4, 4)] * 3},
+    return {"alone": {"steps": [_step(alone, 4, 4)] * 3, "kvtier_thread_s": 0.001},
             "with_loads": {"steps": [_step(alone, 4, 4), _step(during, 4, 4, remote=2), _step(0.3, 20, 5)],
+                           "kvtier_thread_s": 0.011,
                            "first_token_s": [busy, busy + 0.01], "cached": [cached, cached], "tokens": [tokens] * 2},
             "idle": {"steps": [], "first_token_s": [idle, idle], "cached": [cached, cached], "tokens": [tokens] * 2}}
 
@@ -35,6 +37,7 @@ def _runs(alone: float, during: float, busy: float, idle: float, cached: int, to
 def test_a_round_reports_step_medians_loader_times_and_cached_tokens() -> None:
     row = round_sample("kvtier_disk", _runs(0.010, 0.015, 0.2, 0.1, 128, [7]))
     assert row["alone_step_s"] == 0.010 and row["during_step_s"] == 0.015 and row["during_steps"] == 1
+    assert row["extra_step_s"] == pytest.approx(0.005) and row["load_thread_s"] == pytest.approx(0.010)
     assert row["loader_ttft_busy_s"] == pytest.approx(0.205) and row["loader_ttft_idle_s"] == 0.1
     assert row["cached"] == [128] * 4 and row["tokens"] == [[7]] * 4
     prefilled = round_sample("none", _runs(0.010, 0.015, 0.2, 0.1, 0, [7]))

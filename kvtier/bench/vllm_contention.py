@@ -9,12 +9,12 @@ whether those loads slow the engine's steps (the GIL, the cores) and whether the
 Each round runs, in every engine, the batch twice in a random order: once alone and once with the loading
 requests added; and the loading requests alone on the idle engine. Per mode: the median decode step of the batch
 alone, of the batch's decode steps while loads were in flight (before the loaded requests joined the batch), their
-ratio (paired by round), the time those steps took beyond the batch's usual step ("extra") beside the CPU time
-kvtier's threads spent on the loads, and the loading requests' time to first token beside the same on the idle
-engine. ``none``
-(no kvtier, vLLM's prefix cache off) prefills the same requests instead: its "during" steps are the batch's steps
-that carried that prefill. Every loading request's tokens must equal ``none``'s, and kvtier's must have hit its
-whole prefix (the engine's count of cached tokens).
+ratio (paired by round); the time the batch's steps took beyond its usual step while the added requests had no
+first token yet ("extra": kvtier's loads and the requests' suffixes; ``none``'s prefill of the same requests)
+beside the CPU time kvtier's threads spent; and the loading requests' time to first token beside the same on the
+idle engine. ``none`` (no kvtier, vLLM's prefix cache off) prefills the same requests instead. Every loading
+request's tokens must equal ``none``'s, and kvtier's must have hit its whole prefix (the engine's count of cached
+tokens).
 """
 
 from __future__ import annotations
@@ -73,9 +73,11 @@ def decode_steps(steps: Sequence[dict[str, Any]], during: bool) -> list[float]:
     return [s["s"] for s in decoding if (s["remote"] > 0) == during]
 
 
-def prefill_steps(steps: Sequence[dict[str, Any]]) -> list[float]:
-    """Steps that computed more tokens than one per running request: prefills (``none``'s during-load steps)."""
-    return [s["s"] for s in steps if s["tokens"] > s["running"]]
+def delay(steps: Sequence[dict[str, Any]], alone: float) -> tuple[float, int]:
+    """(seconds, steps): how much longer than ``alone`` each the steps took while added requests had no first
+    token yet (kvtier: their loads, then their suffix; ``none``: their prefill), summed."""
+    pending = [s["s"] for s in steps if s.get("pending", 0) > 0]
+    return sum(pending) - len(pending) * alone, len(pending)
 
 
 def _round(engine: Engine, rng: random.Random, decode: Sequence[list[int]], load: Sequence[list[int]],
@@ -88,17 +90,17 @@ def _round(engine: Engine, rng: random.Random, decode: Sequence[list[int]], load
     return runs
 
 
-def round_sample(mode: str, runs: dict[str, Any]) -> dict[str, Any]:
+def round_sample(runs: dict[str, Any]) -> dict[str, Any]:
     """What one round shows: median decode step alone and while loads are in flight, the loaders' TTFT busy and
     idle, their cached tokens and first tokens."""
-    alone = decode_steps(runs["alone"]["steps"], during=False)
+    alone = statistics.median(decode_steps(runs["alone"]["steps"], during=False))
     with_loads = runs["with_loads"]["steps"]
-    during = prefill_steps(with_loads) if mode == "none" else decode_steps(with_loads, during=True)
+    during = decode_steps(with_loads, during=True)
     busy, idle = runs["with_loads"]["first_token_s"], runs["idle"]["first_token_s"]
-    extra = sum(during) - len(during) * statistics.median(alone)
+    extra, held = delay(with_loads, alone)
     thread = runs["with_loads"]["kvtier_thread_s"] - runs["alone"]["kvtier_thread_s"]
-    return {"alone_step_s": statistics.median(alone), "during_step_s": statistics.median(during) if during else None,
-            "during_steps": len(during), "extra_step_s": extra, "load_thread_s": thread,
+    return {"alone_step_s": alone, "during_step_s": statistics.median(during) if during else None,
+            "during_steps": len(during), "extra_step_s": extra, "delayed_steps": held, "load_thread_s": thread,
             "loader_ttft_busy_s": statistics.median(busy),
             "loader_ttft_idle_s": statistics.median(idle),
             "cached": runs["with_loads"]["cached"] + runs["idle"]["cached"],
@@ -121,7 +123,7 @@ def measure(engines: Sequence[Engine], args: argparse.Namespace, length: int, ro
         order = list(engines)
         rng.shuffle(order)
         for engine in order:
-            sample = round_sample(engine.mode, _round(engine, rng, decode, load, args.decode_tokens))
+            sample = round_sample(_round(engine, rng, decode, load, args.decode_tokens))
             if r:
                 samples[engine.mode].append(sample | {"round": r})
         print(f"round {r}/{rounds}", file=sys.stderr, flush=True)
@@ -151,6 +153,7 @@ def summarize(samples: dict[str, list[dict[str, Any]]], length: int) -> dict[str
             if paired else None,
             "during_vs_alone": Spread.of(paired).as_dict() if paired else None,
             "during_steps_per_round": statistics.median(r["during_steps"] for r in rows),
+            "delayed_steps_per_round": statistics.median(r["delayed_steps"] for r in rows),
             "extra_step_s": Spread.of([r["extra_step_s"] for r in rows]).as_dict(),
             "load_thread_s": Spread.of([r["load_thread_s"] for r in rows]).as_dict(),
             "loader_ttft_busy_s": Spread.of([r["loader_ttft_busy_s"] for r in rows]).as_dict(),
@@ -174,24 +177,36 @@ def _print(table: dict[str, Any]) -> None:
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:
-    """Per mode: decode step times alone and while loads are in flight (box per round medians)."""
+    """Left: the batch's decode step alone and while loads are in flight (per-round medians). Right: per mode, the
+    batch's extra time while the added requests waited, and those requests' time to first token."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    raw = doc["raw"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    raw, table = doc["raw"], doc["results"]
+    fig, (steps, cost) = plt.subplots(1, 2, figsize=(12, 4.2))
     data, labels = [], []
     for mode, rows in raw.items():
-        data.append([r["alone_step_s"] * 1e3 for r in rows])
-        labels.append(f"{mode}\nalone")
-        data.append([r["during_step_s"] * 1e3 for r in rows if r["during_step_s"]])
-        labels.append(f"{mode}\n{'prefill' if mode == 'none' else 'loads in flight'}")
-    ax.boxplot(data)
-    ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8)
-    ax.set_ylabel("engine step of the decoding batch (ms)")
-    ax.set_title("A decoding batch alone vs while kvtier loads prefixes asynchronously")
+        for key, label in (("alone_step_s", "alone"), ("during_step_s", "loads in flight")):
+            values = [r[key] * 1e3 for r in rows if r[key]]
+            if values:
+                data.append(values)
+                labels.append(f"{mode}\n{label}")
+    steps.boxplot(data)
+    steps.set_xticks(range(1, len(labels) + 1), labels, fontsize=7)
+    steps.set_ylabel("decode step of the batch (ms)")
+    modes = list(table)
+    xs = range(len(modes))
+    cost.bar([x - 0.2 for x in xs], [table[m]["extra_step_s"]["median"] * 1e3 for m in modes], 0.4,
+             label="batch's extra step time")
+    cost.bar([x + 0.2 for x in xs], [table[m]["loader_ttft_busy_s"]["median"] * 1e3 for m in modes], 0.4,
+             label="added requests' TTFT")
+    cost.set_xticks(list(xs), modes)
+    cost.set_ylabel("ms (median of rounds)")
+    cost.set_yscale("log")
+    cost.legend(fontsize=8)
+    fig.suptitle("Requests whose prefix kvtier loads asynchronously, added to a decoding batch")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,7 +3,8 @@ requests that load their prefix from kvtier asynchronously added to it mid-decod
 time with each step's record (``kvtier bench vllm-contention``).
 
 Per step: its wall time, the prompt and decode tokens it computed (from the scheduler's output), how many
-requests were waiting for an asynchronous kvtier load when it ran, and how many were running; the CPU time of
+requests were waiting for an asynchronous kvtier load when it ran, how many were running, and how many added
+requests had no first token yet (their load or prefill was under way); the CPU time of
 kvtier's threads over the whole run. Per added request: the seconds from being added to the end of the step that
 gave it its first token, and the tokens the engine reported cached for it.
 """
@@ -67,12 +68,13 @@ def mixed_batch(llm: Any, scheduler: Any, decode: Sequence[list[int]], decode_to
                     engine.add_request(f"l{i}", TokensPrompt(prompt_token_ids=list(prompt)), one)
             if not engine.has_unfinished_requests():
                 break
+            pending = len(added) - len(first)  # added requests still without their first token
             remote, running, t = _remote_waiting(scheduler), len(scheduler.running), time.perf_counter()
             outputs = engine.step()
             end = time.perf_counter()
             remote = max(remote, _remote_waiting(scheduler))  # a load started in this step ran beside it
             steps.append({"s": end - t, "tokens": scheduled[-1] if scheduled else 0, "remote": remote,
-                          "running": running})
+                          "running": running, "pending": pending})
             scheduled.clear()
             for out in outputs:
                 if out.request_id in added and out.request_id not in first and out.outputs[0].token_ids:

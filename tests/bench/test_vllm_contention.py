@@ -7,48 +7,48 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench.vllm_contention import decode_steps, prefill_steps, round_sample, same_tokens, summarize
+from kvtier.bench.vllm_contention import decode_steps, delay, round_sample, same_tokens, summarize
 
 
-def _step(s: float, tokens: int, running: int, remote: int = 0) -> dict[str, Any]:
-    return {"s": s, "tokens": tokens, "running": running, "remote": remote}
+def _step(s: float, tokens: int, running: int, remote: int = 0, pending: int = 0) -> dict[str, Any]:
+    return {"s": s, "tokens": tokens, "running": running, "remote": remote, "pending": pending}
 
 
 STEPS = [_step(0.5, 256, 4), _step(0.010, 4, 4), _step(0.011, 4, 4),  # prefill of the batch, then decode
-         _step(0.030, 4, 4, remote=2), _step(0.020, 4, 4, remote=2),  # loads in flight beside decode steps
-         _step(0.2, 36, 4, remote=2),  # the loaded requests leave the wait and compute their suffixes
+         _step(0.030, 4, 4, remote=2, pending=2), _step(0.020, 4, 4, remote=2, pending=2),  # loads in flight
+         _step(0.2, 36, 4, remote=2, pending=2),  # the loaded requests leave the wait and compute their suffixes
          _step(0.012, 4, 4)]  # decode again
 
 
 def test_decode_steps_alone_are_one_token_per_running_request_with_no_load_waiting() -> None:
     assert decode_steps(STEPS, during=False) == [0.010, 0.011, 0.012]
     assert decode_steps(STEPS, during=True) == [0.030, 0.020]
-    assert prefill_steps(STEPS) == [0.5, 0.2]  # a prefill step is never a decode step, loads or not
+    extra, steps = delay(STEPS, 0.010)  # the three steps the added requests waited through, less 3 usual steps
+    assert steps == 3 and extra == pytest.approx(0.030 + 0.020 + 0.2 - 0.030)
 
 
 def _runs(alone: float, during: float, busy: float, idle: float, cached: int, tokens: list[int]) -> dict[str, Any]:
     return {"alone": {"steps": [_step(alone, 4, 4)] * 3, "kvtier_thread_s": 0.001},
-            "with_loads": {"steps": [_step(alone, 4, 4), _step(during, 4, 4, remote=2), _step(0.3, 20, 5)],
+            "with_loads": {"steps": [_step(alone, 4, 4), _step(during, 4, 4, remote=2, pending=2),
+                                     _step(0.3, 20, 5, pending=2)],
                            "kvtier_thread_s": 0.011,
                            "first_token_s": [busy, busy + 0.01], "cached": [cached, cached], "tokens": [tokens] * 2},
             "idle": {"steps": [], "first_token_s": [idle, idle], "cached": [cached, cached], "tokens": [tokens] * 2}}
 
 
 def test_a_round_reports_step_medians_loader_times_and_cached_tokens() -> None:
-    row = round_sample("kvtier_disk", _runs(0.010, 0.015, 0.2, 0.1, 128, [7]))
+    row = round_sample(_runs(0.010, 0.015, 0.2, 0.1, 128, [7]))
     assert row["alone_step_s"] == 0.010 and row["during_step_s"] == 0.015 and row["during_steps"] == 1
-    assert row["extra_step_s"] == pytest.approx(0.005) and row["load_thread_s"] == pytest.approx(0.010)
+    assert row["extra_step_s"] == pytest.approx(0.015 + 0.3 - 0.020) and row["delayed_steps"] == 2
+    assert row["load_thread_s"] == pytest.approx(0.010)
     assert row["loader_ttft_busy_s"] == pytest.approx(0.205) and row["loader_ttft_idle_s"] == 0.1
     assert row["cached"] == [128] * 4 and row["tokens"] == [[7]] * 4
-    prefilled = round_sample("none", _runs(0.010, 0.015, 0.2, 0.1, 0, [7]))
-    assert prefilled["during_step_s"] == 0.3  # without kvtier the added requests' prefill is what runs beside
 
 
 def test_summary_pairs_rounds_and_checks_every_loader_hit_its_whole_prefix() -> None:
-    rows = [round_sample("kvtier_disk", _runs(0.010, 0.020, 0.2, 0.1, 128, [7])),
-            round_sample("kvtier_disk", _runs(0.020, 0.020, 0.2, 0.1, 128, [7]))]
-    table = summarize({"kvtier_disk": rows, "kvtier_redis": [round_sample("kvtier_redis",
-                                                                          _runs(0.01, 0.01, 0.2, 0.1, 96, [7]))]}, 128)
+    rows = [round_sample(_runs(0.010, 0.020, 0.2, 0.1, 128, [7])),
+            round_sample(_runs(0.020, 0.020, 0.2, 0.1, 128, [7]))]
+    table = summarize({"kvtier_disk": rows, "kvtier_redis": [round_sample(_runs(0.01, 0.01, 0.2, 0.1, 96, [7]))]}, 128)
     assert table["kvtier_disk"]["during_vs_alone"]["median"] == pytest.approx(1.5)  # 2.0 and 1.0
     assert table["kvtier_disk"]["loaders_hit_whole_prefix"] is True
     assert table["kvtier_redis"]["loaders_hit_whole_prefix"] is False  # 96 of 128 tokens

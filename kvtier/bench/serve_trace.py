@@ -59,8 +59,9 @@ class ServeRequest:
 
 
 def read_rows(path: Path, requests: int, sessions: int = 1) -> list[dict[str, Any]]:
-    """The first ``requests`` lines of a Mooncake-format JSONL trace (of its conversations that ``sessions``
-    samples: see ``sampled``); ValueError naming a bad line."""
+    """The first ``requests`` rows of a Mooncake-format JSONL trace that belong to the conversations ``sessions``
+    keeps (see ``sampled``; every row when it is 1); ValueError naming a bad line. A conversation whose later
+    turns come after the ``requests``-th kept row is cut there."""
     rows: list[dict[str, Any]] = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
@@ -151,7 +152,8 @@ def scale(path: Path, requests: int, scaling: Scaling) -> list[ServeRequest]:
         covered = math.ceil(len(prompt) / scaling.block_tokens)
         out.append(ServeRequest(arrival, prompt, tokens, tuple(row["hash_ids"][:covered])))
     if not out:
-        raise ValueError(f"{path}: no requests in the trace")
+        kept = f" of the conversations --sessions {scaling.sessions} keeps" if scaling.sessions > 1 else ""
+        raise ValueError(f"{path}: no requests in the trace{kept}")
     return out
 
 

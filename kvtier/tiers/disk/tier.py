@@ -164,14 +164,14 @@ class DiskTier(Tier):
         if self._started:
             self._started = False
             try:
-                await asyncio.to_thread(self._shared.leave)
+                leaving = asyncio.get_running_loop().run_in_executor(None, self._leave)
             except RuntimeError:  # at interpreter exit the executor takes no more work: leave inline (one write)
-                self._leave_inline()
-            except OSError as exc:
-                log.warning("disk tier %s: cannot leave the ledger of %s: %s", self.name, self.layout.root, exc)
+                self._leave()
+            else:
+                await leaving
         self._buffers.clear()
 
-    def _leave_inline(self) -> None:
+    def _leave(self) -> None:
         try:
             self._shared.leave()
         except OSError as exc:

@@ -8,13 +8,14 @@ whether those loads slow the engine's steps (the GIL, the cores) and whether the
 
 Each round runs, in every engine, the batch twice in a random order: once alone and once with the loading
 requests added; and the loading requests alone on the idle engine. Per mode: the median decode step of the batch
-alone, of the batch's decode steps while loads were in flight (before the loaded requests joined the batch), their
-ratio (paired by round); the time the batch's steps took beyond its usual step while the added requests had no
-first token yet ("extra": kvtier's loads and the requests' suffixes; ``none``'s prefill of the same requests)
-beside the CPU time kvtier's threads spent; and the loading requests' time to first token beside the same on the
-idle engine. ``none`` (no kvtier, vLLM's prefix cache off) prefills the same requests instead. Every loading
-request's tokens must equal ``none``'s, and kvtier's must have hit its whole prefix (the engine's count of cached
-tokens).
+alone and while loads were being read (with the engine thread's time in kvtier's hooks), their ratio (paired by
+round); the step(s) that copied the finished loads into the engine's blocks (and of that, kvtier's hooks); the
+time the batch's steps took beyond its usual step while the added requests had no first token yet ("extra":
+their loads, the copy and their suffixes; ``none``: its prefill of the same requests) beside the CPU time
+kvtier's threads spent; and the added requests' time to first token beside the same on the idle engine. ``none``
+(no kvtier, vLLM's prefix cache off) prefills the same requests instead. Every loading request's token (one
+each) must equal the first mode's (``none`` by default), and kvtier's must have hit its whole prefix (the
+engine's count of cached tokens).
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def alone_steps(steps: Sequence[dict[str, Any]]) -> list[float]:
     return [s["s"] for s in decoding(steps) if not (s["remote"] or s["copied"] or s["pending"])]
 
 
-def in_flight_steps(steps: Sequence[dict[str, Any]]) -> list[float]:
-    """Decode step times while an asynchronous load was being read (started, not yet reported finished)."""
-    return [s["s"] for s in decoding(steps) if s["remote"] and not s["copied"]]
+def in_flight_steps(steps: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(step time, of it in kvtier's hooks) of the decode steps while an asynchronous load was being read (started,
+    not yet reported finished); the step that adds the loading requests runs their lookups and starts the reads."""
+    return [(s["s"], s["hook_s"]) for s in decoding(steps) if s["remote"] and not s["copied"]]
 
 
 def copy_steps(steps: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -81,8 +83,8 @@ def copy_steps(steps: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
 
 
 def delay(steps: Sequence[dict[str, Any]], alone: float) -> tuple[float, int]:
-    """(seconds, steps): how much longer than ``alone`` each the steps took while added requests had no first
-    token yet (kvtier: their loads, the copy, then their suffix; ``none``: their prefill), summed."""
+    """(seconds, steps): how much longer than ``alone`` the steps took, summed, while added requests had no first
+    token yet (kvtier: their loads, the copy, then their suffix; ``none``: their prefill)."""
     pending = [s["s"] for s in steps if s["pending"] > 0]
     return sum(pending) - len(pending) * alone, len(pending)
 
@@ -110,7 +112,8 @@ def round_sample(runs: dict[str, Any]) -> dict[str, Any]:
     during, copies = in_flight_steps(with_loads), copy_steps(with_loads)
     extra, held = delay(with_loads, alone)
     busy, idle = runs["with_loads"]["first_token_s"], runs["idle"]["first_token_s"]
-    return {"alone_step_s": alone, "during_step_s": statistics.median(during) if during else None,
+    return {"alone_step_s": alone, "during_step_s": statistics.median(s for s, _ in during) if during else None,
+            "during_hook_s": statistics.median(h for _, h in during) if during else None,
             "during_steps": len(during), "copy_step_s": sum(c for c, _ in copies) if copies else None,
             "copy_hook_s": sum(h for _, h in copies) if copies else None,
             "extra_step_s": extra, "delayed_steps": held,
@@ -170,7 +173,8 @@ def summarize(samples: dict[str, list[dict[str, Any]]], length: int) -> dict[str
         ratio = (paired_ratio([r["during_step_s"] for r in both], [r["alone_step_s"] for r in both]).as_dict()
                  if both else None)
         table[mode] = {
-            **{key: _spread(rows, key) for key in ("alone_step_s", "during_step_s", "copy_step_s", "copy_hook_s",
+            **{key: _spread(rows, key) for key in ("alone_step_s", "during_step_s", "during_hook_s", "copy_step_s",
+                                                   "copy_hook_s",
                                                    "extra_step_s", "load_thread_s", "loader_ttft_busy_s",
                                                    "loader_ttft_idle_s")},
             "during_vs_alone": ratio,
@@ -187,19 +191,22 @@ def _ms(row: dict[str, Any], key: str, width: int) -> str:
 
 
 def _print(table: dict[str, Any]) -> None:
-    print(f"{'mode':<13} {'alone ms':>8} {'in flight ms':>12} {'ratio':>6} {'steps':>5} {'copy step ms':>12} "
-          f"{'(hooks)':>7} {'extra ms':>8} {'kvtier CPU ms':>13} {'TTFT busy ms':>12} {'idle ms':>8} {'hit':>5}")
+    print(f"{'mode':<13} {'alone ms':>8} {'in flight ms':>12} {'(hooks)':>7} {'ratio':>6} {'steps':>5} "
+          f"{'copy step ms':>12} {'(hooks)':>7} {'extra ms':>8} {'kvtier CPU ms':>13} {'TTFT busy ms':>12} "
+          f"{'idle ms':>8} {'hit':>5}")
     for mode, row in table.items():
         ratio = f"{row['during_vs_alone']['median']:6.2f}" if row["during_vs_alone"] else f"{'-':>6}"
-        print(f"{mode:<13} {_ms(row, 'alone_step_s', 8)} {_ms(row, 'during_step_s', 12)} {ratio} "
+        print(f"{mode:<13} {_ms(row, 'alone_step_s', 8)} {_ms(row, 'during_step_s', 12)} "
+              f"{_ms(row, 'during_hook_s', 7)} {ratio} "
               f"{row['during_steps_per_round']:5.1f} {_ms(row, 'copy_step_s', 12)} {_ms(row, 'copy_hook_s', 7)} "
               f"{_ms(row, 'extra_step_s', 8)} {_ms(row, 'load_thread_s', 13)} {_ms(row, 'loader_ttft_busy_s', 12)} "
               f"{_ms(row, 'loader_ttft_idle_s', 8)} {row['loaders_hit_whole_prefix']!s:>5}")
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:
-    """Left: the batch's decode step alone and while loads are in flight (per-round medians). Right: per mode, the
-    batch's extra time while the added requests waited, and those requests' time to first token."""
+    """Left: the batch's decode step alone, while loads are read (per-round medians), and the steps that copied
+    finished loads in (summed per round). Right: per mode, the batch's extra time while the added requests waited,
+    and those requests' time to first token."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,8 +223,8 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
                 data.append(values)
                 labels.append(f"{mode}\n{label}")
     steps.boxplot(data)
-    steps.set_xticks(range(1, len(labels) + 1), labels, fontsize=7)
-    steps.set_ylabel("decode step of the batch (ms)")
+    steps.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30, ha="right")
+    steps.set_ylabel("step time with the batch decoding (ms)")
     modes = list(table)
     xs = range(len(modes))
     cost.bar([x - 0.2 for x in xs], [table[m]["extra_step_s"]["median"] * 1e3 for m in modes], 0.4,

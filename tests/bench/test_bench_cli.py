@@ -110,7 +110,7 @@ BAD_NUMBERS = [
     ("fingerprint", "--repeats", "0"), ("vllm", "--lengths", "0"), ("vllm", "--batch", "0"),
     ("vllm", "--layers", "0"), ("vllm-overhead", "--burst", "0"), ("vllm-overhead", "--output-tokens", "0"),
     ("vllm-overhead", "--settle", "-1"), ("vllm-replay", "--memory", "0"), ("vllm-replay", "--block", "0"),
-    ("vllm-replay", "--max-prompt", "nan"),
+    ("vllm-replay", "--max-prompt", "nan"), ("vllm-contention", "--loaders", "0"), ("vllm-contention", "--rounds", "-1"),
 ]
 
 

@@ -264,8 +264,8 @@ def test_mooncake_reference_numbers() -> None:
 
 def test_bench_registry_and_missing_benchmark(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    assert set(bench_cli.BENCHMARKS) == {"hit-rate", "throughput", "ttft", "overhead", "vllm", "vllm-overhead", "vllm-replay",
-                                        "serve", "fingerprint", "copy"}
+    assert set(bench_cli.BENCHMARKS) == {"hit-rate", "throughput", "ttft", "overhead", "vllm", "vllm-overhead",
+                                        "vllm-contention", "vllm-replay", "serve", "fingerprint", "copy"}
     monkeypatch.setitem(bench_cli.BENCHMARKS, "ttft", ("kvtier.bench.not_written_yet", "later"))
     assert main(["bench", "ttft"]) == 2
     assert "benchmark 'ttft' is not available" in capsys.readouterr().err

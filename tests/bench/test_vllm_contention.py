@@ -35,7 +35,7 @@ STEPS = [_step(0.5, 256, 4), _step(0.010, 4, 4), _step(0.011, 4, 4),  # prefill 
 
 def test_steps_are_split_into_alone_loads_read_and_the_copy() -> None:
     assert alone_steps(STEPS) == [0.010, 0.011, 0.012]  # never a prefill step, nor one with a load around
-    assert in_flight_steps(STEPS) == [0.030, 0.020]
+    assert in_flight_steps(STEPS) == [(0.030, 0.0), (0.020, 0.0)]
     assert copy_steps(STEPS) == [(0.025, 0.012)]
     extra, steps = delay(STEPS, 0.010)  # the four steps the added requests waited through, less 4 usual steps
     assert steps == 4 and extra == pytest.approx(0.030 + 0.020 + 0.025 + 0.2 - 0.040)
@@ -53,7 +53,7 @@ def _runs(alone: float, during: float, busy: float, idle: float, cached: int, to
 def test_a_round_reports_step_medians_loader_times_and_cached_tokens() -> None:
     row = round_sample(_runs(0.010, 0.015, 0.2, 0.1, 128, [7]))
     assert row["alone_step_s"] == 0.010 and row["during_step_s"] == 0.015 and row["during_steps"] == 1
-    assert row["copy_step_s"] is None  # no step reported a finished load
+    assert row["during_hook_s"] == 0.0 and row["copy_step_s"] is None  # no step reported a finished load
     assert row["extra_step_s"] == pytest.approx(0.015 + 0.3 - 0.020) and row["delayed_steps"] == 2
     assert row["load_thread_s"] == pytest.approx(0.010)
     assert row["loader_ttft_busy_s"] == pytest.approx(0.205) and row["loader_ttft_idle_s"] == 0.1

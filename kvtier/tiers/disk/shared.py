@@ -111,8 +111,12 @@ class SharedDirectory:
                             self.name, other.get("pid"), self.layout.root, other.get("capacity"), self.capacity)
 
     def leave(self) -> None:
-        with self.ledger.locked(self.capacity) as state:
-            state.members.pop(self.me, None)
+        """Leave the ledger (the others' fair share stops counting this process); a failure is logged."""
+        try:
+            with self.ledger.locked(self.capacity) as state:
+                state.members.pop(self.me, None)
+        except OSError as exc:
+            log.warning("disk tier %s: cannot leave the ledger of %s: %s", self.name, self.layout.root, exc)
 
     def claim(self, own: Sequence[bytes]) -> None:
         """Name more namespaces as this member's; write the manifests of those with a directory."""

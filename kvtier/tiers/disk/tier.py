@@ -50,15 +50,7 @@ from kvtier.metrics import DiskStats, Timer
 from kvtier.runtime import background_thread
 from kvtier.tiers.base import Tier, TierEntry
 from kvtier.tiers.disk.index import DIR_MODE, PATH_ERRNOS, Layout, scan
-from kvtier.tiers.disk.io import (
-    NOWAIT_FLAGS,
-    SMALL_RECORD,
-    Deferred,
-    ReadResult,
-    read_records,
-    read_runs,
-    write_record,
-)
+from kvtier.tiers.disk.io import NOWAIT_FLAGS, SMALL_RECORD, Deferred, ReadResult, read_records, read_runs, write_record
 from kvtier.tiers.disk.records import Records
 from kvtier.tiers.disk.shared import Reservation, SharedDirectory, Victim
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
@@ -164,18 +156,12 @@ class DiskTier(Tier):
         if self._started:
             self._started = False
             try:
-                leaving = asyncio.get_running_loop().run_in_executor(None, self._leave)
+                leaving = asyncio.get_running_loop().run_in_executor(None, self._shared.leave)
             except RuntimeError:  # at interpreter exit the executor takes no more work: leave inline (one write)
-                self._leave()
+                self._shared.leave()
             else:
                 await leaving
         self._buffers.clear()
-
-    def _leave(self) -> None:
-        try:
-            self._shared.leave()
-        except OSError as exc:
-            log.warning("disk tier %s: cannot leave the ledger of %s: %s", self.name, self.layout.root, exc)
 
     def used_bytes(self) -> int:
         """Bytes of this process's namespaces' records (the whole directory's are in the ledger)."""

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -31,10 +31,10 @@ class LoopThread:
 
     def _main(self) -> None:
         try:
-            single_threaded_torch()
+            io_thread()
             # asyncio.to_thread's threads (disk I/O) likewise
             self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
-                thread_name_prefix="kvtier-io", initializer=single_threaded_torch))
+                thread_name_prefix="kvtier-io", initializer=io_thread))
         finally:
             asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._ready.set)
@@ -78,6 +78,56 @@ def single_threaded_torch() -> None:
         logger.debug("torch ops on %s stay multi-threaded: %r", threading.current_thread().name, exc)
 
 
+def io_thread() -> None:
+    """Initializer of every kvtier I/O thread: off the engine's compute cores, torch single-threaded."""
+    off_compute_cores()
+    single_threaded_torch()
+
+
+def compute_cores(env: Mapping[str, str] = os.environ) -> frozenset[int]:
+    """The cores vLLM's CPU build bound the engine's OpenMP threads to, read from what it sets for its worker
+    process (``OMP_PLACES`` '{0,1,2}', ``GOMP_CPU_AFFINITY`` '0 1 2', ``KMP_AFFINITY`` '...,proclist=[0,1,2]');
+    empty when nothing was bound or the value is in a form not read here."""
+    places = env.get("OMP_PLACES", "")
+    if places:
+        return _core_list(places.replace("{", " ").replace("}", " ")) if ":" not in places else frozenset()
+    kmp = env.get("KMP_AFFINITY", "")
+    if "proclist=[" in kmp:
+        return _core_list(kmp.split("proclist=[", 1)[1].split("]", 1)[0])
+    return _core_list(env.get("GOMP_CPU_AFFINITY", ""))
+
+
+def _core_list(text: str) -> frozenset[int]:
+    """'0,1 3-5' -> {0, 1, 3, 4, 5}; empty on anything else."""
+    cores: set[int] = set()
+    for item in text.replace(",", " ").split():
+        low, _, high = item.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            return frozenset()
+        cores.update(range(int(low), int(high or low) + 1))
+    return frozenset(cores)
+
+
+def off_compute_cores() -> None:
+    """Move the calling thread to the cores the engine's compute threads leave free.
+
+    vLLM's CPU build binds one OpenMP thread to each of its worker's cores and keeps some cores out of that
+    list: one for its scheduler process, one more when a KV connector is set. A thread the worker starts
+    inherits the core its main thread is bound to, so kvtier's copies and I/O would run on a compute core, and
+    every parallel op of the engine waits for the OpenMP thread they hold up. Moved to the cores kept out (those
+    the worker's parent process may use, less the compute cores) they share the reserved cores with the
+    scheduler instead. A no-op where no binding is found, no core is left over, or off Linux; never raises."""
+    compute = compute_cores()
+    if not compute or not sys.platform.startswith("linux"):
+        return
+    try:
+        spare = os.sched_getaffinity(os.getppid()) - compute
+        if spare:
+            os.sched_setaffinity(0, spare)  # 0: the calling thread
+    except OSError as exc:
+        logger.debug("kvtier thread %s stays on its cores: %r", threading.current_thread().name, exc)
+
+
 BACKGROUND_NICE = 19
 
 
@@ -92,8 +142,9 @@ def background_thread() -> None:
     (a small share of a core) when it is never idle, unlike ``SCHED_IDLE``, which can starve them; the worker's
     save backlog bound (``policy.save_backlog``) skips saves when they cannot keep up, and an idle engine step
     waits for the writes it needs (``WorkerHalf.get_finished``). Linux sets this per thread; elsewhere, or
-    without permission, nothing changes. Never raises."""
-    single_threaded_torch()
+    without permission, nothing changes. Like every I/O thread it runs off the engine's compute cores
+    (``io_thread``). Never raises."""
+    io_thread()
     if not sys.platform.startswith("linux"):  # elsewhere PRIO_PROCESS would set the whole process's priority
         return
     try:

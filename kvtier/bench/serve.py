@@ -215,8 +215,9 @@ def settled_metrics(server: Server, timeout_s: float = 20.0) -> Samples:
 
 
 def run_mode(mode: str, model: str, point: dict[str, Any], settings: dict[str, Any], requests: list[ServeRequest],
-             workdir: Path, update: Any) -> tuple[list[serve_client.Reply], Samples, Samples]:
-    """Start the mode's server, warm it up, replay the requests, scrape its counters; stop it."""
+             workdir: Path, update: Any) -> tuple[list[serve_client.Reply], Samples, Samples, list[int] | None]:
+    """Start the mode's server, warm it up, replay the requests, scrape its counters; stop it. Also returns the
+    cores vLLM bound the server's compute threads to."""
     run_dir = workdir / f"{point['memory']:g}-{mode}"
     run_dir.mkdir()
     note(f"kvtier bench serve: {mode} at {point['memory']:.0%} engine memory: starting its server")
@@ -229,9 +230,10 @@ def run_mode(mode: str, model: str, point: dict[str, Any], settings: dict[str, A
                                           update)
             after = settled_metrics(server)
             after = _less_warmup(after, MODES[mode][0])
+            cores = server.worker_cores()
     finally:
         shutil.rmtree(run_dir / "kv-disk", ignore_errors=True)
-    return replies, before, after
+    return replies, before, after, cores
 
 
 def _less_warmup(samples: Samples, prefix: bool) -> Samples:
@@ -260,7 +262,8 @@ def measure_point(point: dict[str, Any], model: str, settings: dict[str, Any], r
     runs = {mode: run_mode(mode, model, point, settings, requests, workdir, update) for mode in settings["modes"]}
     ref_mode = "none" if "none" in runs else settings["modes"][0]
     reference = runs[ref_mode][0]
-    modes = {m: serve_report.mode_summary(r, b, a, reference) for m, (r, b, a) in runs.items()}
+    modes = {m: {**serve_report.mode_summary(r, b, a, reference), "worker_cores": cores}
+             for m, (r, b, a, cores) in runs.items()}
     serve_report.add_ratios(modes)
     chunk_bytes = BLOCK * settings["kv_bytes_per_token"]
     tiers = {m: [point["cpu_tier_bytes"] // chunk_bytes] + [point["big_tier_bytes"] // chunk_bytes] *
@@ -271,17 +274,21 @@ def measure_point(point: dict[str, Any], model: str, settings: dict[str, Any], r
     predicted = serve_report.simulate(workload, point["engine_blocks"], tiers, {m: MODES[m][0] for m in tiers})
     in_flight = {m: serve_report.in_flight_share(workload, runs[m][0]) for m in tiers}
     raw = {m: [{k: v for k, v in asdict(r).items() if k != "tokens"} | {"generated": len(r.tokens)}
-               for r in replies] for m, (replies, _, _) in runs.items()}
+               for r in replies] for m, (replies, *_) in runs.items()}
     return {**point, "reference_mode": ref_mode, "modes": modes,
             "simulation": serve_report.compare(modes, predicted, in_flight),
-            "ttft_s": {m: [r.ttft_s for r in replies if r.error is None] for m, (replies, _, _) in runs.items()}}, raw
+            "ttft_s": {m: [r.ttft_s for r in replies if r.error is None] for m, (replies, *_) in runs.items()}}, raw
 
 
 def failures(points: Sequence[dict[str, Any]], quick: bool) -> list[str]:
-    """What makes the run fail: completions unlike the reference's, failed requests, and (``--quick``) kvtier's
-    hits not reconciled with vLLM's count or no kvtier hit at all."""
+    """What makes the run fail: completions unlike the reference's, failed requests, modes whose compute ran on
+    other cores (their times would not compare), and (``--quick``) kvtier's hits not reconciled with vLLM's count
+    or no kvtier hit at all."""
     found = []
     for point in points:
+        layouts = {mode: row.get("worker_cores") for mode, row in point["modes"].items()}
+        if len({str(cores) for cores in layouts.values()}) > 1:
+            found.append(f"at {point['memory']:.0%} the servers' compute ran on different cores: {layouts}")
         for mode, row in point["modes"].items():
             where = f"{mode} at {point['memory']:.0%}"
             if row["mismatches"]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,11 @@ from typing import Any
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 ENGINE_LABELS = ("engine", "model_name")
+# vLLM's CPU build binds its worker's threads to all cores but the ones it reserves: one for the scheduler, and
+# one more when any KV connector is set. On a 2-core machine that extra one cannot be had, so a server with kvtier
+# computed on both cores and one without on a single core. Every server started here reserves the same one core.
+CPU_LAYOUT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+CORE_IDS = re.compile(r"local_rank=0, core ids=\[([0-9, ]*)\]")
 
 
 def kvtier_transfer(config_file: str, **extra: Any) -> dict[str, Any]:
@@ -87,6 +93,11 @@ class Server:
     def tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
 
+    def worker_cores(self) -> list[int] | None:
+        """The CPU cores vLLM bound its worker's threads to, from its log (None when it did not say)."""
+        found = CORE_IDS.search(self.log.read_text(errors="replace"))
+        return None if found is None else [int(c) for c in found.group(1).split(",") if c.strip()]
+
 
 def metric(samples: Samples, name: str, **labels: str) -> float:
     """One sample's value (0 when absent)."""
@@ -114,9 +125,11 @@ def _wait_ready(server: Server, timeout_s: float) -> None:
 
 @contextmanager
 def running(spec: ServerSpec, log: Path, timeout_s: float = 600) -> Iterator[Server]:
-    """Start the server (kvtier importable from this checkout), wait for ``/health``, stop it on exit."""
+    """Start the server (kvtier importable from this checkout, ``CPU_LAYOUT`` unless ``spec.env`` says otherwise),
+    wait for ``/health``, stop it on exit."""
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, **spec.env, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, **CPU_LAYOUT, **spec.env, "PYTHONPATH": path}
     env.pop("VLLM_TARGET_DEVICE", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(spec.command(), stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -323,6 +323,56 @@ def test_report_fails_the_run_when_a_completion_differs(tmp_path: Path, capsys: 
     assert json.loads((tmp_path / "vllm_serve.json").read_text())["checks"]["passed"] is False
 
 
+def test_report_fails_the_run_when_the_servers_computed_on_different_cores(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's CPU build reserves one more core when a KV connector is set: servers that computed on other cores
+    are no fair comparison, so the run fails and says on which cores each one computed."""
+    args = argparse.Namespace(quick=False, out=tmp_path, json=None, png=None, no_plot=True)
+    doc = _doc(0)
+    doc["points"][0]["modes"]["prefix"]["worker_cores"] = [0]
+    doc["points"][0]["modes"]["kvtier_cpu"]["worker_cores"] = [0, 1]
+    assert serve.report(args, doc) == 1
+    assert "compute ran on different cores: {'prefix': [0], 'kvtier_cpu': [0, 1]}" in capsys.readouterr().err
+    doc["points"][0]["modes"]["kvtier_cpu"]["worker_cores"] = [0]
+    assert serve.report(args, doc) == 0
+
+
+def test_servers_reserve_the_same_core_with_or_without_a_connector_and_say_where_they_computed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.bench import vllm_server
+    from kvtier.bench.vllm_server import Server, ServerSpec, kvtier_transfer, running
+
+    started: list[dict[str, str]] = []
+
+    class Exited:
+        returncode = 1
+
+        def __init__(self, cmd: list[str], env: dict[str, str], **_: Any) -> None:
+            started.append(env)
+
+        def poll(self) -> int:
+            return 1
+
+        def terminate(self) -> None: ...
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 1
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", Exited)
+    for spec in (ServerSpec("m", 1), ServerSpec("m", 1, transfer=kvtier_transfer("k.yaml")),
+                 ServerSpec("m", 1, env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})):
+        with pytest.raises(RuntimeError, match="exited"), running(spec, tmp_path / "x.log"):
+            pass  # pragma: no cover
+    assert [env["VLLM_CPU_NUM_OF_RESERVED_CPU"] for env in started] == ["1", "1", "0"]
+    log = tmp_path / "server.log"
+    log.write_text("INFO [ompmultiprocessing.py:185] \tlocal_world_size=1, reserve_cpu_num=1\n"
+                   "INFO [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0, 2]\n")
+    server = Server(ServerSpec("m", 1), None, log)  # type: ignore[arg-type]
+    assert server.worker_cores() == [0, 2]
+    log.write_text("no binding here\n")
+    assert server.worker_cores() is None
+
+
 def test_plan_point_gives_the_engine_a_share_of_the_working_set_but_one_request_at_least() -> None:
     settings = {"max_model_len": 480, "kv_bytes_per_token": 1000, "tier_memory": 4.0}
     assert serve.plan_point(0.25, 3200, settings)["engine_blocks"] == 25

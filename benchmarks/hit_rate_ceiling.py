@@ -14,6 +14,8 @@ the sum of input lengths) and asks what each kind of knowledge is worth at 10% o
   blocks are stored or at the latest when it ends: ``k`` turn number of the conversation, ``n`` blocks in the
   request, ``g`` seconds since the previous turn, ``o`` output tokens.
 * ``oracle_continues``: the same with P = 1 for requests that really get a follow-up turn, 0 otherwise.
+* ``prefix_hd ...``: kvtier's learned policy through kvtier's own replay, online and with its per-class reuse
+  curves learned over the whole trace (frozen from the start, or as a prior that online learning updates).
 
 The conversation structure: request B continues request A when B's held prefix (with an infinite cache) is
 at least two blocks long and ends in a block last stored by A. The gap between the best online bound and the
@@ -23,6 +25,7 @@ oracle is what no policy built on these signals can close. Writes benchmarks/res
 from __future__ import annotations
 
 import argparse
+import copy
 import heapq
 import json
 import math
@@ -122,6 +125,39 @@ def features(reqs: Sequence[Request], parent: Sequence[int | None], turn: Sequen
     return out
 
 
+def prefix_hd_learning(trace: Path, capacity: int) -> dict[str, float]:
+    """What ``prefix_hd``'s learning costs, through kvtier's own replay: online (as shipped, and keeping every
+    observation), with the curves learned over the whole trace frozen from the start (hindsight), and with those
+    curves as a prior worth one refresh period that online learning then updates (a perfect warm start)."""
+    from kvtier.bench.hitrate import DirectoryStack, replay
+    from kvtier.bench.workloads import load_mooncake
+    from kvtier.policies.hitdensity import PrefixHitDensityPolicy
+
+    workload = load_mooncake(trace)
+
+    def rate(policy: PrefixHitDensityPolicy) -> float:
+        return replay(workload, DirectoryStack([policy], [capacity])).hit_rate
+
+    whole = PrefixHitDensityPolicy(capacity, decay=1.0)
+    out = {"prefix_hd online": rate(PrefixHitDensityPolicy(capacity)), "prefix_hd online, no decay": rate(whole)}
+    whole._refresh()
+    learned = copy.deepcopy(whole.stats)
+
+    class Frozen(PrefixHitDensityPolicy):
+        def _refresh(self) -> None:
+            super()._refresh()
+            self.stats = copy.deepcopy(learned)
+
+    out["prefix_hd, whole-trace curves frozen (hindsight)"] = rate(Frozen(capacity, decay=1.0))
+    warm = PrefixHitDensityPolicy(capacity)
+    warm.stats = copy.deepcopy(learned)
+    for stats in warm.stats:
+        stats.hits = [h * 0.05 for h in stats.hits]
+        stats.exposure = [e * 0.05 for e in stats.exposure]
+    out["prefix_hd, whole-trace curves as prior, then online"] = rate(warm)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=TRACE)
@@ -157,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         add(f"hindsight {which}", best[0], classes=len(counts), scale=best[1])
     add("oracle_continues", max(simulate(reqs, capacity, lambda i, s=s: s * (continues[i] - 0.4))
                                 for s in SCALES))
+    for name, rate in prefix_hd_learning(args.trace, capacity).items():
+        add(name, rate)
     body = {"benchmark": "hit_rate_ceiling", "machine": machine_info(), "trace": args.trace.name,
             "requests": len(reqs), "unique_blocks": unique, "capacity_blocks": capacity,
             "capacity_fraction": args.capacity, "continuing_requests": sum(continues),

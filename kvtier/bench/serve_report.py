@@ -167,7 +167,9 @@ def explain(row: Mapping[str, Any], sim: Mapping[str, float], in_flight: float) 
         causes.append(f"failures: {failed} chunks not stored or not loaded")
     gap = (row["hit_rate"] - sim["hit_rate"]) * 100
     if gap < 0:
-        causes.append("async saves: a chunk is saved after its request's step, so a request sent meanwhile misses")
+        if not causes:
+            causes.append("none of the causes measured here (the engine cache in front, prefills in flight, "
+                          "failures): unexplained")
     else:
         causes.append("two caches in series: the engine's cache keeps recent blocks that the tier's policy evicted, "
                       "which the simulation (the larger of the two alone) does not count")

@@ -17,6 +17,8 @@ from kvtier.keys import Key
 
 # (request id, tier, key, tensor-parallel rank) of one chunk a worker did not store
 FailedSave = tuple[str, str, Key, str]
+# (request id, tier, key, tensor-parallel rank) of one chunk a worker has written: readable from now on
+StoredSave = tuple[str, str, Key, str]
 # (tier, key) of one chunk a worker could not load (a request's asynchronous load reported failed as a whole)
 FailedLoad = tuple[str, Key]
 
@@ -24,19 +26,21 @@ FailedLoad = tuple[str, Key]
 @dataclass
 class WorkerReport:
     """Chunks not stored (the scheduler forgets a chunk no rank stored), whether a worker disabled kvtier (it
-    cannot read the engine's KV tensors: the scheduler stops planning), and chunks that could not be loaded for a
-    request whose load failed as a whole (the scheduler forgets them)."""
+    cannot read the engine's KV tensors: the scheduler stops planning), chunks that could not be loaded for a
+    request whose load failed as a whole (the scheduler forgets them), and chunks written (the scheduler makes a
+    chunk every rank wrote visible to lookups at once, not when its request ends)."""
 
     failed_saves: list[FailedSave] = field(default_factory=list)
     disabled: bool = False
     failed_loads: list[FailedLoad] = field(default_factory=list)
+    stored_saves: list[StoredSave] = field(default_factory=list)
 
     def aggregate(self, other: WorkerReport) -> WorkerReport:
         return WorkerReport([*self.failed_saves, *other.failed_saves], self.disabled or other.disabled,
-                            [*self.failed_loads, *other.failed_loads])
+                            [*self.failed_loads, *other.failed_loads], [*self.stored_saves, *other.stored_saves])
 
     def __bool__(self) -> bool:
-        return bool(self.failed_saves) or self.disabled or bool(self.failed_loads)
+        return bool(self.failed_saves) or self.disabled or bool(self.failed_loads) or bool(self.stored_saves)
 
 
 class ReportBox:
@@ -49,6 +53,10 @@ class ReportBox:
     def fail(self, rows: Iterable[FailedSave]) -> None:
         with self._lock:
             self._report.failed_saves.extend(rows)
+
+    def stored(self, rows: Iterable[StoredSave]) -> None:
+        with self._lock:
+            self._report.stored_saves.extend(rows)
 
     def fail_loads(self, rows: Iterable[FailedLoad]) -> None:
         with self._lock:

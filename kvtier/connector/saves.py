@@ -54,7 +54,7 @@ class SavePath:
         self._loop = loop
         self._counters = counters
         self._report = report
-        self.queue = SaveQueue(store, counters, self.report_failed, max_backlog)
+        self.queue = SaveQueue(store, counters, self.report_failed, self.report_stored, max_backlog)
         self.requests: dict[str, list[concurrent.futures.Future[None]]] = {}  # the futures of each request's saves
         self.finished_requests: set[str] = set()  # finished, with saves still running
         self._buffers = Recycler(SAVE_BUFFERS_IDLE)
@@ -129,11 +129,20 @@ class SavePath:
         if plans is None:
             rows = [(spec.req_id, tier, key, rank) for tier, key in spec.stored_keys()]
         else:
-            planned = {(mine.tier, k): key for theirs, mine in zip(spec.plans, plans, strict=True)
-                       for key, k in zip(theirs.store, mine.store, strict=True)}
+            planned = _planned(spec, plans)
             rows = [(spec.req_id, tier, planned[(tier, k)], rank) for tier, k in failed if (tier, k) in planned]
         self._counters.not_stored(len(rows))
         self._report.fail(rows)
+
+    def report_stored(self, spec: SaveSpec, plans: Sequence[StorePlan], failed: Sequence[tuple[str, Key]]) -> None:
+        """Tell the scheduler which chunks of ``spec`` this rank has written (``plans`` less ``failed``), under the
+        keys it planned with: once every rank has, it serves them to lookups without waiting for the request's
+        end (vLLM's own prefix cache serves a block once computed; a request sent while an earlier one with the
+        same prefix is still decoding hits here too)."""
+        missing = set(failed)
+        rank = self._kv.rank
+        self._report.stored([(spec.req_id, tier, theirs, rank) for (tier, mine), theirs in _planned(spec, plans).items()
+                             if (tier, mine) not in missing])
 
     def flush(self) -> None:
         """Wait (at most ``wait_timeout_s``) until every pending save is done."""
@@ -168,3 +177,9 @@ class SavePath:
         """Wait (at most ``CLOSE_WAIT_S``) for pending saves."""
         pending = [f for futures in self.requests.values() for f in futures]
         concurrent.futures.wait(pending, timeout=CLOSE_WAIT_S)
+
+
+def _planned(spec: SaveSpec, plans: Sequence[StorePlan]) -> dict[tuple[str, Key], Key]:
+    """(tier, this rank's key) -> the key the scheduler planned with (rank 0's), for every write of ``plans``."""
+    return {(mine.tier, k): key for theirs, mine in zip(spec.plans, plans, strict=True)
+            for key, k in zip(theirs.store, mine.store, strict=True)}

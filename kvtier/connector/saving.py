@@ -7,7 +7,8 @@ Lifecycle, per engine step (``SavePath.save``, kvtier.connector.saves):
                     unbounded queue of copies and held blocks
     submit(jobs)    after the worker gathered the kept ones: one coroutine on the I/O loop runs the step's jobs
                     in order behind earlier steps' (an eviction never overtakes an earlier write); a skipped
-                    job runs only its evictions, and its chunks are reported not stored
+                    job runs only its evictions, and its chunks are reported not stored; a job done reports
+                    what it wrote, so the scheduler can serve those chunks before their request ends
 Each job leaves the backlog when it is done, or when its step's future ends (cancelled after a bounded wait, even
 before it ran). A job still running after ``SAVE_TIMEOUT_S`` is abandoned, and what it had not stored is reported
 so; jobs queued behind it get a bound each, so a stuck medium holds a finished request's blocks for at most
@@ -44,6 +45,7 @@ MAX_BACKLOG = PolicyConfig.save_backlog  # bytes of queued, unwritten saves past
 SAVE_TIMEOUT_S = 30.0  # a save job still running then is abandoned; what it had not stored is reported
 
 ReportFailed = Callable[[SaveSpec, "Sequence[StorePlan] | None", "Sequence[tuple[str, Key]]"], None]
+ReportStored = Callable[[SaveSpec, "Sequence[StorePlan]", "Sequence[tuple[str, Key]]"], None]
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,12 @@ class SaveQueue:
     """Saves handed to the I/O loop, in step order, within a byte backlog."""
 
     def __init__(self, store: TieredStore, counters: WorkerCounters, report_failed: ReportFailed,
-                 max_backlog: int = MAX_BACKLOG) -> None:
+                 report_stored: ReportStored, max_backlog: int = MAX_BACKLOG) -> None:
         self.store = store
         self.max_backlog = max_backlog
         self._counters = counters
         self._report_failed = report_failed
+        self._report_stored = report_stored
         self._backlog = 0  # bytes of jobs submitted and not yet done
         self._lock = threading.Lock()  # the backlog grows on the engine's thread and shrinks on the I/O loop
         self._order = asyncio.Lock()
@@ -155,4 +158,5 @@ class SaveQueue:
             return
         if failed:
             self._report_failed(spec, plans, failed)
+        self._report_stored(spec, plans, failed)
         self._counters.saved(sum(stored.values()), job.nbytes, time.perf_counter() - t0)

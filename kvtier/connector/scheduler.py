@@ -5,8 +5,8 @@ Per step (vLLM order):
     update_state_after_alloc(request, blocks, n_ext)  load plan into every group's block ids; pins the chunks
     build_connector_meta(scheduler_output)  ships this step's loads + save plans for newly full chunks
 then from the workers' output:
-    update_connector_output(output)         finished saves -> complete_store; finished loads -> unpin;
-                                            failed blocks -> their chunks leave the directory
+    update_connector_output(output)         chunks written, or a request's saves finished -> complete_store;
+                                            finished loads -> unpin; failed blocks -> chunks leave the directory
     request_finished_all_groups(request, ids)  True while the request has saves the workers have not confirmed
 
 Loads from memory tiers are synchronous (done before the forward pass); a request that needs any chunk from

@@ -230,7 +230,12 @@ def test_a_gap_is_explained_with_the_measured_size_of_each_cause() -> None:
     assert cmp["in_flight_points"] == pytest.approx(4.0)
     text = " | ".join(cmp["explanation"])
     assert "hit 10.0% against 5.0% for an LRU of its size (+5.0 points)" in text
-    assert "concurrency: 4.0 points" in text and "3 chunks not stored or not loaded" in text and "async saves" in text
+    assert "concurrency: 4.0 points" in text and "3 chunks not stored or not loaded" in text
+    assert "unexplained" not in text
+    [bare] = serve_report.compare({"m": {**row, "engine_hit_rate": 0.05, "kvtier_store_failures": {},
+                                         "kvtier_load_failures": 0}}, {"m": sim}).values()
+    assert bare["flagged"] and bare["explanation"] == ["none of the causes measured here (the engine cache in front, "
+                                                       "prefills in flight, failures): unexplained"]
     close = serve_report.compare({"m": {**row, "kvtier_hit_rate": 0.24, "hit_rate": 0.29}}, {"m": sim})
     assert not close["m"]["flagged"] and close["m"]["explanation"] == []
 

@@ -6,9 +6,11 @@ The halves talk only through pickled metadata and ``KVConnectorOutput``, as acro
 
 from __future__ import annotations
 
+import pickle
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from roundtrip_helpers import (
     A_BLOCKS,
@@ -31,7 +33,7 @@ from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyCon
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, Request, SchedulerOutput
+from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.layout import simple_config
 from kvtier.runtime import LoopThread
 from kvtier.store import TieredStore
@@ -182,6 +184,44 @@ def test_a_save_the_worker_could_not_store_is_forgotten_by_the_scheduler(tmp_pat
         assert len(reported) == 2 * 5 and {row[0] for row in reported} == {"A"}  # both groups, 5 chunks each
         b = Request("B", B_TOKENS)
         assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+    finally:
+        sched.shutdown()
+        work.shutdown()
+
+
+@pytest.mark.parametrize("tiers", [("cpu",), ("disk",)])
+def test_a_request_hits_the_chunks_of_one_still_running(tiers: tuple[str, ...], tmp_path: Path) -> None:
+    """A's prefill saves its chunks; A goes on decoding (not finished). B, sent meanwhile, hits them as soon as the
+    worker reports them written: it loads A's KV bit for bit (from the cpu pool: written in A's step; from disk:
+    in the background, reported at a later step), and nothing counts on them before that."""
+    cfg = cfg_for(tmp_path, tiers)
+    sched = TieredConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
+    work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
+    try:
+        kv = paged(KCC, seed=5)
+        work.register_kv_caches(kv)
+        a, b = Request("A", A_TOKENS), Request("B", B_TOKENS)
+        sched.get_num_new_matched_tokens(a, 0)
+        sched.update_state_after_alloc(a, KVCacheBlocks(A_BLOCKS), 0)
+        meta = sched.build_connector_meta(new_req(a, A_BLOCKS, 0))  # planned, not yet written
+        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+        work.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+        work.start_load_kv(None)
+        work.wait_for_save()
+        work.flush_saves()  # A's writes are done; the scheduler has not heard of them yet
+        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+        report = work.build_connector_worker_meta()
+        work.get_kv_connector_stats()  # this step's counts: not checked here
+        work.clear_connector_metadata()
+        assert report is not None and len(report.stored_saves) == 2 * 5  # 5 chunks per group
+        sched.update_connector_output(pickle.loads(pickle.dumps(KVConnectorOutput(kv_connector_worker_meta=report))))
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)  # A is still running
+        sched.update_state_after_alloc(b, KVCacheBlocks(B_BLOCKS), 4 * C)
+        receive(sched, work, "B")
+        assert_loaded(kv, kv, 8)
+        assert sched.request_finished_all_groups(a, A_BLOCKS) == (True, None)
+        assert step(sched, work, SchedulerOutput(finished_req_ids={"A"})).finished_sending == {"A"}
+        assert sched.get_num_new_matched_tokens(Request("C", B_TOKENS), 0) == (4 * C, True)
     finally:
         sched.shutdown()
         work.shutdown()

@@ -57,8 +57,9 @@ class Engine:
         self.metadata: list[Any] = []
         self.stats: list[Any] = []  # the worker's connector stats of each step that had some
 
-    def add(self, req_id: str, prompt: list[int]) -> None:
-        self.scheduler.add_request(Request(req_id, prompt, SamplingParams(max_tokens=1), None))
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 1) -> None:
+        self.scheduler.add_request(Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                           None))
 
     def step(self) -> Any:
         so = self.scheduler.schedule()
@@ -297,3 +298,49 @@ def test_with_the_engines_prefix_cache_on_a_new_engine_hits_from_kvtier(
         assert {spec.group for meta in second.metadata for spec in meta.loads} == {0, 1}
     finally:
         second.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_a_request_hits_the_prefix_of_one_still_decoding(tier: str, kit: Any, make_vllm_config: Any,
+                                                         kvtier_config_file: Any, tmp_path: Any) -> None:
+    """vLLM's prefix cache off: r1 prefills the prefix and goes on decoding; r2, sent meanwhile, loads r1's chunks
+    from kvtier as soon as the worker reports them written (vLLM's own cache would serve them then too), not when
+    r1 ends: r2 computes only its 8 new tokens while r1 is still running, and its blocks hold r1's KV before its
+    forward pass."""
+    tiers = TIERS[tier] % (tmp_path / "kv") if tier == "disk" else TIERS[tier]
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers), serve_without_prefix_caching=True),
+                           prefix_caching=False)
+    kcc = kit.planned_kv_cache_config(hybrid=True)
+    engine = Engine(cfg, kcc, kit)
+    try:
+        engine.add("r1", PREFIX, max_tokens=64)
+        assert engine.step().num_scheduled_tokens == {"r1": 64}
+        half = engine.scheduler.connector._scheduler
+        keys = half._requests["r1"].keys[0]  # r1's chunk keys of the full-attention group
+        for _ in range(40):  # decode steps until the worker's report of the written chunks has arrived
+            if half.directory.lookup(keys, [tier]) == [tier] * 4:
+                break
+            assert engine.step().num_scheduled_tokens == {"r1": 1}
+            time.sleep(0.005)
+        loaded: list[bool] = []
+
+        def check_after_load(so: Any) -> None:
+            if "r2" in so.num_scheduled_tokens:
+                ids = engine.scheduler.kv_cache_manager.get_block_ids("r2")
+                loaded.extend(expected_blocks(kit, engine.kv, name, ids[g][:4], PREFIX)
+                              for g, group in enumerate(kcc.kv_cache_groups) for name in group.layer_names)
+
+        engine.after_load = check_after_load  # type: ignore[method-assign]
+        engine.add("r2", [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6])
+        for _ in range(200):
+            so = engine.step()
+            if "r2" in so.num_scheduled_tokens:
+                break
+            time.sleep(0.005)
+        assert so.num_scheduled_tokens["r2"] == 8 and "r1" in engine.scheduler.requests  # r1 still decoding
+        assert loaded and all(loaded)
+        list(engine.run())
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == kcc.num_blocks - 1  # no leaked blocks
+    finally:
+        engine.close()

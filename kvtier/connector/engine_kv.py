@@ -19,7 +19,7 @@ from kvtier.connector.keying import Identity, namespaces, rank_key
 from kvtier.connector.registration import derive_config, group_tensors
 from kvtier.directory import StorePlan
 from kvtier.geometry import KVLayout, kernel_ids
-from kvtier.keys import Key
+from kvtier.keys import DIGEST_BYTES, Key
 from kvtier.layout import GroupKind, KVCacheConfig
 from kvtier.tiers.memory.recycle import Recycler, size_class
 from kvtier.transfer import gather, gathered_shape, scatter
@@ -40,6 +40,7 @@ class EngineKV:
         self.chunk_size = chunk_size
         self._layout_hint = layout
         self._rank_spaces: list[bytes] | None = None
+        self._space_of: dict[bytes, bytes] = {}  # rank 0's namespace digest -> this rank's, of every group
         self.layers: list[list[torch.Tensor]] = []
         self.layouts: list[KVLayout] = []
         self._ratios: list[int] = []  # kernel blocks per scheduler block, per group
@@ -63,6 +64,8 @@ class EngineKV:
         self._ratios = [g.ratio for g in groups]
         if self.identity is not None and self.identity.tp_rank != 0:
             self._rank_spaces = namespaces(self.identity, self.kcc, self.chunk_size)
+            rank0 = namespaces(self.identity, self.kcc, self.chunk_size, rank=0)
+            self._space_of = dict(zip(rank0, self._rank_spaces, strict=True))
 
     def clear(self) -> None:
         """Hold no tensors any more (kvtier is disabled for this engine)."""
@@ -80,11 +83,18 @@ class EngineKV:
         return rank_key(key, self._rank_spaces[group])
 
     def plan(self, group: int, plan: StorePlan) -> StorePlan:
-        """A store plan under this rank's keys."""
+        """A store plan under this rank's keys: the chunks it writes are ``group``'s; its victims (and the chunks it
+        demotes) may be any group's sharing the tier, each mapped by its own namespace (one this rank does not
+        know, another engine's, is left as it is: this rank holds nothing under it)."""
         if self._rank_spaces is None:
             return plan
-        return StorePlan(plan.tier, tuple(self.key(group, k) for k in plan.store),
-                         tuple(self.key(group, k) for k in plan.evicted), plan.source)
+        return StorePlan(plan.tier, tuple(self._mine(k) for k in plan.store),
+                         tuple(self._mine(k) for k in plan.evicted), plan.source)
+
+    def _mine(self, key: Key) -> Key:
+        """``key`` (rank 0's, any group's) under this rank's namespace of the same group."""
+        space = self._space_of.get(key[:DIGEST_BYTES])
+        return key if space is None else rank_key(key, space)
 
     def is_state_group(self, group: int) -> bool:
         """Whether ``group`` holds recurrent state (one block per stored chunk) rather than KV."""

@@ -31,9 +31,9 @@ class InflightSaves:
         self._failures: dict[str, dict[Chunk, set[str]]] = {}
         self._stored: dict[str, dict[Chunk, set[str]]] = {}
 
-    def add(self, req_id: str, stored: Iterable[Chunk]) -> None:
-        """The workers are told to write ``stored`` for ``req_id``."""
-        self._saving.setdefault(req_id, {}).update(dict.fromkeys(stored))
+    def add(self, req_id: str, chunks: Iterable[Chunk]) -> None:
+        """The workers are told to write ``chunks`` for ``req_id``."""
+        self._saving.setdefault(req_id, {}).update(dict.fromkeys(chunks))
 
     def pending(self, req_id: str) -> bool:
         """Whether saves of ``req_id`` may still be running on the workers."""

@@ -1,5 +1,5 @@
 """The worker half's save path: gather the chunks the scheduler planned to save out of the engine's blocks, hand
-them to the save queue (kvtier.connector.saving), and report what was not stored. Decides nothing.
+them to the save queue (kvtier.connector.saving), and report what was written and what was not. Decides nothing.
 
 Lifecycle, per engine step (``WorkerHalf.wait_for_save`` / ``get_finished``):
     save(specs)                 gathers the step's kept saves into recycled host buffers (the blocks are free to
@@ -10,8 +10,9 @@ Lifecycle, per engine step (``WorkerHalf.wait_for_save`` / ``get_finished``):
     finished(finished_req_ids)  requests that have finished and whose saves are all done
     close()                     waits for pending saves
 
-The scheduler learns of chunks not stored through the worker report (``report_failed``), under the keys it planned
-with (rank 0's) and this worker's tensor-parallel rank; a save still running past ``wait_timeout_s`` is dropped.
+The scheduler learns of chunks written (``report_stored``: it serves them from then on) and of chunks not stored
+(``report_failed``) through the worker report, under the keys it planned with (rank 0's) and this worker's
+tensor-parallel rank; a save still running past ``wait_timeout_s`` is dropped.
 """
 
 from __future__ import annotations

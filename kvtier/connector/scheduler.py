@@ -52,10 +52,10 @@ class SchedulerHalf:
     def __init__(self, cfg: KvtierConfig, kcc: KVCacheConfig, spaces: Sequence[bytes], *, directory: Directory,
                  tiers: Mapping[str, Tier], loop: LoopThread | None = None, tp_size: int = 1,
                  save_reports: bool = True, blocker: str | None = None) -> None:
-        """``tp_size``: how many worker ranks save each chunk (a chunk is forgotten when all of them report it
-        not stored). ``save_reports=False`` when ``directory`` is the workers' own store's (one process): the
-        store has already completed every write there, failed ones included. ``blocker``: why kvtier must not
-        serve this engine (kvtier.connector.capability); it then plans no loads and no saves."""
+        """``tp_size``: how many worker ranks save each chunk (served once all report it written, forgotten when
+        all report it not stored). ``save_reports=False`` when ``directory`` is the workers' own store's (one
+        process): the store has already completed every write there, failed ones included. ``blocker``: why
+        kvtier must not serve this engine (kvtier.connector.capability); it then plans no loads and no saves."""
         self.cfg, self.kcc, self.directory = cfg, kcc, directory
         self._spaces = list(spaces)
         self._tiers = dict(tiers)

@@ -103,11 +103,13 @@ def test_worker_reports_aggregate_over_ranks_and_reach_each_child_of_a_multi_con
     from kvtier.connector.report import ChildReports, WorkerReport
 
     key = bytes(range(32))
-    rank0 = WorkerReport([("A", "disk", key, "0")])
-    rank1 = WorkerReport([("A", "disk", key, "1")], disabled=True)
+    rank0 = WorkerReport([("A", "disk", key, "0")], stored_saves=[("A", "cpu", key, "0")])
+    rank1 = WorkerReport([("A", "disk", key, "1")], disabled=True, stored_saves=[("A", "cpu", key, "1")])
     merged = rank0.aggregate(rank1)
     assert merged.failed_saves == [("A", "disk", key, "0"), ("A", "disk", key, "1")] and merged.disabled
-    assert not WorkerReport() and pickle.loads(pickle.dumps(merged)) == merged
+    assert merged.stored_saves == [("A", "cpu", key, "0"), ("A", "cpu", key, "1")]
+    assert not WorkerReport() and WorkerReport(stored_saves=[("A", "cpu", key, "0")])  # rows alone are news
+    assert pickle.loads(pickle.dumps(merged)) == merged
     nested = ChildReports((None, rank0)).aggregate(ChildReports((None, rank1)))
     assert nested == ChildReports((None, merged))
 

@@ -313,15 +313,19 @@ def test_a_request_hits_the_prefix_of_one_still_decoding(tier: str, kit: Any, ma
     kcc = kit.planned_kv_cache_config(hybrid=True)
     engine = Engine(cfg, kcc, kit)
     try:
-        engine.add("r1", PREFIX, max_tokens=64)
+        engine.add("r1", PREFIX, max_tokens=400)  # decodes long enough for r2's asynchronous load
         assert engine.step().num_scheduled_tokens == {"r1": 64}
         half = engine.scheduler.connector._scheduler
-        keys = half._requests["r1"].keys[0]  # r1's chunk keys of the full-attention group
-        for _ in range(40):  # decode steps until the worker's report of the written chunks has arrived
-            if half.directory.lookup(keys, [tier]) == [tier] * 4:
+
+        def written() -> bool:  # every group's 4 chunks reported written by the worker (one job per group)
+            return all(half.directory.lookup(keys[:4], [tier]) == [tier] * 4 for keys in half._requests["r1"].keys)
+
+        for _ in range(200):  # decode steps until the worker's reports of the written chunks have arrived
+            if written():
                 break
             assert engine.step().num_scheduled_tokens == {"r1": 1}
             time.sleep(0.005)
+        assert written() and "r1" in engine.scheduler.requests
         loaded: list[bool] = []
 
         def check_after_load(so: Any) -> None:

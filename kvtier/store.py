@@ -140,6 +140,11 @@ class TieredStore:
         return cls(tiers, directory, write=cfg.policy.write, promote_on_hit=cfg.policy.promote_on_hit, role=role)
 
     @property
+    def completes_writes(self) -> bool:
+        """Whether this store marks its own writes done in its directory (one process holds both planes)."""
+        return self._directory is not None
+
+    @property
     def directory(self) -> Directory:
         if self._directory is None:
             raise RuntimeError("this TieredStore is a worker's data plane: its scheduler owns the directory")

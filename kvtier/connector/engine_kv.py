@@ -83,13 +83,14 @@ class EngineKV:
         return rank_key(key, self._rank_spaces[group])
 
     def plan(self, group: int, plan: StorePlan) -> StorePlan:
-        """A store plan under this rank's keys: the chunks it writes are ``group``'s; its victims (and the chunks it
-        demotes) may be any group's sharing the tier, each mapped by its own namespace (one this rank does not
-        know, another engine's, is left as it is: this rank holds nothing under it)."""
+        """A store plan under this rank's keys: the chunks it writes are ``group``'s (mapped as their payloads are);
+        its victims and the chunks it demotes may be any group's sharing the tier, each mapped by its own
+        namespace (one this rank does not know, another engine's, is left as it is: this rank holds nothing
+        under it)."""
         if self._rank_spaces is None:
             return plan
-        return StorePlan(plan.tier, tuple(self._mine(k) for k in plan.store),
-                         tuple(self._mine(k) for k in plan.evicted), plan.source)
+        store = tuple(self.key(group, k) if plan.source is None else self._mine(k) for k in plan.store)
+        return StorePlan(plan.tier, store, tuple(self._mine(k) for k in plan.evicted), plan.source)
 
     def _mine(self, key: Key) -> Key:
         """``key`` (rank 0's, any group's) under this rank's namespace of the same group."""

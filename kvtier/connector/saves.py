@@ -139,7 +139,10 @@ class SavePath:
         """Tell the scheduler which chunks of ``spec`` this rank has written (``plans`` less ``failed``), under the
         keys it planned with: once every rank has, it serves them to lookups without waiting for the request's
         end (vLLM's own prefix cache serves a block once computed; a request sent while an earlier one with the
-        same prefix is still decoding hits here too)."""
+        same prefix is still decoding hits here too). Nothing to tell when the store shares the scheduler's
+        directory (one process): it has marked them itself."""
+        if self.store.completes_writes:
+            return
         missing = set(failed)
         rank = self._kv.rank
         self._report.stored([(spec.req_id, tier, theirs, rank) for (tier, mine), theirs in _planned(spec, plans).items()

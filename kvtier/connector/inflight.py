@@ -68,17 +68,30 @@ class InflightSaves:
         for tier, keys in ready.items():
             self._directory.complete_store(tier, keys, True)
 
-    def finish(self, req_id: str) -> None:
-        """The workers are done with ``req_id``'s saves: its chunks not yet READY become so, or are forgotten where
-        no rank stored them (a chunk some ranks stored stays tracked; the failed rank's load of it is
-        recomputed)."""
+    def forget(self, req_id: str, chunks: Iterable[Chunk]) -> None:
+        """Stop tracking ``chunks`` of ``req_id`` (their KV is not to be served: kvtier.connector.recovery); rows
+        about them that arrive later change nothing."""
+        saving = self._saving.get(req_id, {})
+        for chunk in chunks:
+            saving.pop(chunk, None)
+            self._stored.get(req_id, {}).pop(chunk, None)
+            self._failures.get(req_id, {}).pop(chunk, None)
+
+    def finish(self, req_id: str) -> list[Chunk]:
+        """The workers are done with ``req_id``'s saves: its chunks not yet READY become so when no rank reported
+        them not stored, and are forgotten otherwise; the chunks some ranks did store among those (returned) must
+        leave those ranks too. A chunk one rank lacks is no hit: its load would fail on that rank."""
         failures = self._failures.pop(req_id, {})
         self._stored.pop(req_id, None)
         done: dict[tuple[str, bool], list[Key]] = {}
+        partial: list[Chunk] = []
         for tier, key in self._saving.pop(req_id, {}):
-            ok = len(failures.get((tier, key), ())) < self._tp_size
-            done.setdefault((tier, ok), []).append(key)
+            ranks = len(failures.get((tier, key), ()))
+            done.setdefault((tier, ranks == 0), []).append(key)
+            if 0 < ranks < self._tp_size:
+                partial.append((tier, key))
         for (tier, ok), keys in done.items():
             self._directory.complete_store(tier, keys, ok)
             if not ok:
                 logger.warning("%d chunk(s) of %s were not stored in tier %s; forgotten", len(keys), req_id, tier)
+        return partial

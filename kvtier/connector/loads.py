@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -74,6 +75,37 @@ class GroupLoad:
         self.nbytes += payload.numel() * payload.element_size()
 
 
+class Borrowed:
+    """What one synchronous load borrowed, released exactly once: by the engine's thread after its copies, or, once
+    the engine's thread stopped waiting (``abandon``), by the I/O loop as each late borrow completes. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[str, list[Key]]] = []
+        self._abandoned = False
+
+    def add(self, tier: str, keys: list[Key]) -> bool:
+        """Keep a completed borrow; False when the engine's thread gave up waiting (the caller releases it now)."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self._items.append((tier, keys))
+            return True
+
+    def take(self) -> list[tuple[str, list[Key]]]:
+        """The borrows not released yet, each handed out once."""
+        with self._lock:
+            items, self._items = self._items, []
+            return items
+
+    def abandon(self) -> list[tuple[str, list[Key]]]:
+        """The engine's thread stops waiting: what was borrowed so far (to release); later borrows release
+        themselves."""
+        with self._lock:
+            self._abandoned = True
+        return self.take()
+
+
 class LoadPath:
     """Loads of planned chunks into the engine's blocks, synchronous or on the I/O loop."""
 
@@ -87,6 +119,7 @@ class LoadPath:
         self.recving: dict[str, tuple[list[LoadSpec], concurrent.futures.Future[list[Reads]]]] = {}
         self._errors: set[int] = set()
         self._failed_requests: set[str] = set()
+        self.failed_now: set[str] = set()  # requests whose synchronous load failed in this step (reset per step)
         self.wait_timeout_s = WAIT_TIMEOUT_S
         self.async_load_timeout_s = ASYNC_LOAD_TIMEOUT_S
 
@@ -114,19 +147,22 @@ class LoadPath:
     def _load_now(self, specs: Sequence[LoadSpec]) -> None:
         """Synchronous loads, one copy per byte: memory tiers lend pinned views that are scattered straight into
         the blocks, then released on the I/O loop (after the device has consumed them; not awaited)."""
-        borrowed: list[tuple[str, list[Key]]] = []
+        borrowed = Borrowed()
         try:
             results = self.run_bounded(self._borrow_all(specs, borrowed))
         except Exception as exc:  # a dead or stuck tier fails the load, not the engine
             logger.warning("synchronous load failed: %r", exc)
             results = [[None] * len(s.keys) for s in specs]
-            borrowed = []  # the failed borrow releases what it lent itself (on the loop, maybe still running)
+            lent = borrowed.abandon()  # borrows completing later (the loop may still run them) release themselves
+            if lent:
+                self._release_later(lent)
         try:
             self.apply(specs, results)
         finally:
             self._kv.sync_devices()  # queued device copies may still read the borrowed views
-            if borrowed:
-                self._release_later(borrowed)
+            lent = borrowed.take()
+            if lent:
+                self._release_later(lent)
 
     def _release_later(self, borrowed: list[tuple[str, list[Key]]]) -> None:
         """Release borrowed views on the I/O loop without waiting: the copies that read them are done (and the
@@ -171,20 +207,23 @@ class LoadPath:
             future.cancel()
             raise TimeoutError(f"I/O did not finish within {self.wait_timeout_s + CANCEL_GRACE_S:.1f}s") from None
 
-    async def _borrow_all(self, specs: Sequence[LoadSpec], borrowed: list[tuple[str, list[Key]]]) -> list[Reads]:
-        """Like ``_read_all``, but memory tiers lend views; ``borrowed`` lists what to release, even on error."""
+    async def _borrow_all(self, specs: Sequence[LoadSpec], borrowed: Borrowed) -> list[Reads]:
+        """Like ``_read_all``, but memory tiers lend views, kept in ``borrowed`` for the engine's thread to release;
+        on error, or once the engine's thread gave up waiting, they are released here."""
         out: list[Reads] = []
         try:
             for spec in specs:
                 keys = [self._kv.key(spec.group, k) for k in spec.keys]
                 if self.store.tier(spec.tier).is_memory:
-                    out.append(await self.store.borrow(spec.tier, keys))
-                    borrowed.append((spec.tier, keys))
+                    values = await self.store.borrow(spec.tier, keys)
+                    if not borrowed.add(spec.tier, keys):
+                        await self.store.release(spec.tier, keys)
+                        raise TimeoutError("the engine's thread stopped waiting for this load")
+                    out.append(values)
                 else:
                     out.append(await self.store.read(spec.tier, keys))
         except BaseException:
-            await self._release_all(borrowed)
-            borrowed.clear()
+            await self._release_all(borrowed.take())
             raise
         return out
 
@@ -230,6 +269,8 @@ class LoadPath:
         a group; otherwise their blocks become load errors (the engine recomputes from the first)."""
         several = self._kv.kcc is not None and len(self._kv.kcc.kv_cache_groups) > 1
         for spec, _, ids in chunks:
+            if not spec.is_async:
+                self.failed_now.add(spec.req_id)
             if several and spec.is_async:
                 self._failed_requests.add(spec.req_id)
             else:

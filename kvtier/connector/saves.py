@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING
 
 from kvtier.connector.engine_kv import EngineKV
@@ -58,15 +58,19 @@ class SavePath:
         self.queue = SaveQueue(store, counters, self.report_failed, self.report_stored, max_backlog)
         self.requests: dict[str, list[concurrent.futures.Future[None]]] = {}  # the futures of each request's saves
         self.finished_requests: set[str] = set()  # finished, with saves still running
+        self.drops: list[concurrent.futures.Future[None]] = []  # steps of the scheduler's drops (no request's blocks)
         self._buffers = Recycler(SAVE_BUFFERS_IDLE)
         self.wait_timeout_s = WAIT_TIMEOUT_S
 
-    def save(self, specs: Sequence[SaveSpec]) -> None:
+    def save(self, specs: Sequence[SaveSpec], drop: Set[str] = frozenset()) -> None:
         """Gather this step's saves now and hand them to the I/O loop in one job; write them to memory tiers at
         once when nothing is queued ahead (a copy, no I/O to hide), else in the background in step order. Saves
         that would take the backlog of queued, unwritten bytes past the queue's ``max_backlog`` are skipped: their
-        evictions still run, and the scheduler forgets their chunks."""
-        kept, skipped = self.queue.admit(specs, self._kv.chunk_bytes)
+        evictions still run, and the scheduler forgets their chunks. So are the saves of the requests in ``drop``
+        (their load failed in this step: what it computed is wrong), without marking their later saves."""
+        dropped = [s for s in specs if s.keys and s.req_id in drop]
+        kept, skipped = self.queue.admit([s for s in specs if not (s.keys and s.req_id in drop)], self._kv.chunk_bytes)
+        skipped.extend(dropped)
         t0 = time.perf_counter()
         payloads = self._gather(kept)
         self._counters.gathered(time.perf_counter() - t0)
@@ -84,8 +88,12 @@ class SavePath:
         future = self.queue.submit(self._loop, jobs)
         if sync:
             self.bound([future])
-        for job in jobs:
-            self.requests.setdefault(job.spec.req_id, []).append(future)
+        self.drops = [f for f in self.drops if not f.done()]
+        for job in jobs:  # the scheduler's drops (evictions only) hold no request's blocks
+            if job.spec.keys or any(p.store for p in job.spec.plans):
+                self.requests.setdefault(job.spec.req_id, []).append(future)
+            elif future not in self.drops:
+                self.drops.append(future)
 
     def fail(self, specs: Sequence[SaveSpec]) -> None:
         """Store nothing (kvtier is disabled): the scheduler forgets these chunks."""
@@ -149,8 +157,8 @@ class SavePath:
                              if (tier, mine) not in missing])
 
     def flush(self) -> None:
-        """Wait (at most ``wait_timeout_s``) until every pending save is done."""
-        self.bound([f for futures in self.requests.values() for f in futures])
+        """Wait (at most ``wait_timeout_s``) until every pending save (and drop) is done."""
+        self.bound([*self.drops, *(f for futures in self.requests.values() for f in futures)])
 
     def bound(self, futures: Sequence[concurrent.futures.Future[None]]) -> None:
         """Wait at most ``wait_timeout_s`` for ``futures``; saves still running then are cancelled (dropped)."""
@@ -179,7 +187,7 @@ class SavePath:
 
     def close(self) -> None:
         """Wait (at most ``CLOSE_WAIT_S``) for pending saves."""
-        pending = [f for futures in self.requests.values() for f in futures]
+        pending = [*self.drops, *(f for futures in self.requests.values() for f in futures)]
         concurrent.futures.wait(pending, timeout=CLOSE_WAIT_S)
 
 

@@ -24,8 +24,9 @@ from kvtier.config import KvtierConfig, TierKind
 from kvtier.connector.chunk_events import ChunkEvents
 from kvtier.connector.hits import GroupNeed, best_hit, hit_limit
 from kvtier.connector.inflight import InflightSaves
-from kvtier.connector.keying import has_prompt_embeds, request_extra, request_keys
+from kvtier.connector.keying import RequestKeying, has_prompt_embeds, request_keys
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec, block_at, chunk_blocks
+from kvtier.connector.recovery import LoadRecovery
 from kvtier.connector.report import WorkerReport, report_of
 from kvtier.connector.request_state import Hit, ReqState, tokens_of
 from kvtier.connector.reuse import SeenCounter
@@ -58,6 +59,7 @@ class SchedulerHalf:
         kvtier must not serve this engine (kvtier.connector.capability); it then plans no loads and no saves."""
         self.cfg, self.kcc, self.directory = cfg, kcc, directory
         self._spaces = list(spaces)
+        self._keying = RequestKeying(cfg.namespace.weights)  # cache salt, LoRA adapter, multimodal inputs
         self._tiers = dict(tiers)
         self._loop = loop
         self._kinds = {t.name: t.kind for t in cfg.tiers}
@@ -72,8 +74,7 @@ class SchedulerHalf:
         self._sync_pins: list[tuple[str, list[Key]]] = []
         self._async_pins: dict[str, list[tuple[str, list[Key]]]] = {}
         self._inflight = InflightSaves(directory, tp_size, reports=save_reports)
-        self._load_blocks: dict[int, tuple[str, Key]] = {}
-        self._req_load_blocks: dict[str, list[int]] = {}
+        self._recovery = LoadRecovery(directory, self._inflight, self._placement)
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
         # paused (benchmarks time one engine with and without kvtier's work): no lookups hit, no saves planned
@@ -99,7 +100,7 @@ class SchedulerHalf:
         """Per-request state; chunk keys are computed lazily and kept (lookups repeat every step)."""
         state = self._requests.get(req_id)
         if state is None:
-            state = ReqState(request, request_extra(request), [[] for _ in self._spaces],
+            state = ReqState(request, self._keying.extra(request), [[] for _ in self._spaces],
                               opaque=has_prompt_embeds(request))
             self._requests[req_id] = state
         return state
@@ -191,11 +192,6 @@ class SchedulerHalf:
                 self.directory.pin(spec.tier, spec.keys)
                 self.directory.touch(spec.tier, spec.keys)
                 pins.append((spec.tier, list(spec.keys)))
-            for key, ids in zip(spec.keys, spec.block_ids, strict=True):
-                for b in ids:
-                    if b != NULL_BLOCK:
-                        self._load_blocks[b] = (spec.tier, key)
-                        self._req_load_blocks.setdefault(request.request_id, []).append(b)
         if hit.is_async:
             self._async_pins.setdefault(request.request_id, []).extend(pins)
         else:
@@ -204,6 +200,7 @@ class SchedulerHalf:
         self._sources[request.request_id] = self._tokens_by_kind(hit)
         state = self._requests.get(request.request_id)
         if state is not None:
+            self._recovery.loading(request.request_id, specs, state)
             state.unfilled = [self._unfilled(g, hit) for g in range(len(self._needs))]
             if not self.cfg.policy.promote_on_hit:
                 state.saved_chunks = max(state.saved_chunks, hit.chunks)
@@ -261,6 +258,7 @@ class SchedulerHalf:
         """This step's loads and the save plans of chunks that become full during it; resets step state."""
         scheduled = scheduler_output.num_scheduled_tokens
         meta = KVTierMetadata(loads=self._step_loads, idle=not any(scheduled.values()))
+        meta.saves.extend(self._recovery.take_drops(next(iter(scheduled), "")))  # before any write of their keys
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._requests:
                 # Never looked up: the engine's request (with its cache salt) was not seen, and vLLM's
@@ -343,6 +341,8 @@ class SchedulerHalf:
         spec = SaveSpec(req_id, g, tuple(keys[i] for i, _ in chosen), tuple(b for _, b in chosen), tuple(plans))
         meta.saves.append(spec)
         self._inflight.add(req_id, spec.stored_keys())
+        self._recovery.saving(req_id, g, [(i, (p.tier, keys[i])) for p in plans if p.source is None
+                                          for i, _ in chosen if keys[i] in p.store])
         if self.events is not None:
             self.events.note(self._requests[req_id].source, g, keys, [i for i, _ in chosen])
 
@@ -365,21 +365,23 @@ class SchedulerHalf:
         if not self.disabled and report.disabled:
             self.disabled = True
             logger.error("kvtier: a worker cannot read the engine's KV cache (see its log); no more hits or saves")
+        self._recover(output, report)  # first: no row of this output may make a suspect chunk READY
         self._inflight.note(report)
         for req_id in output.finished_sending or ():
-            self._inflight.finish(req_id)
+            self._recovery.drop(self._inflight.finish(req_id))
         for req_id in output.finished_recving or ():
             for tier, keys in self._async_pins.pop(req_id, []):
                 self.directory.unpin(tier, keys)
-        failed: dict[str, list[Key]] = {}
-        rows = [self._load_blocks.pop(block, None) for block in output.invalid_block_ids or ()]
-        for where in [*rows, *report.failed_loads]:  # blocks that failed, or a failed request's chunks
-            if where is not None and where[1] not in failed.get(where[0], []):
-                failed.setdefault(where[0], []).append(where[1])
-        for tier, keys in failed.items():
-            if not self.directory.is_shared(tier):
-                self.directory.remove(tier, keys)
-            logger.warning("%d chunk(s) failed to load from tier %s; dropped from the directory", len(keys), tier)
+
+    def _recover(self, output: Any, report: WorkerReport) -> None:
+        """Loads that failed (kvtier.connector.recovery): their chunks, and every save planned on top of them, leave
+        the directory and every rank; each request saves again from its first failed chunk."""
+        failed = self._recovery.failed(output.invalid_block_ids or (), getattr(output, "failed_recving", None) or (),
+                                       report.failed_loads)
+        for req_id, first in failed.items():
+            undone = self._recovery.roll_back(req_id, self._requests.get(req_id), first)
+            logger.warning("a load of %s failed: recomputed from chunk %d, %d chunk(s) saved on top of it dropped",
+                           req_id, first, undone)
 
     def request_finished_all_groups(self, request: Any,
                                     block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
@@ -388,8 +390,7 @@ class SchedulerHalf:
         self._requests.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._sources.pop(req_id, None)
-        for block in self._req_load_blocks.pop(req_id, []):
-            self._load_blocks.pop(block, None)
+        self._recovery.finished(req_id)
         return self._inflight.pending(req_id), None
 
     def close(self) -> None:

@@ -131,6 +131,7 @@ class WorkerHalf:
         """Run this step's synchronous loads now; start the asynchronous ones on the I/O loop."""
         if self._meta is not None and self._meta.saves:
             self.wait_for_save()  # a previous step's saves that nothing flushed yet go first
+        self._loads.failed_now = set()
         self._meta = metadata
         self._idle = metadata is not None and metadata.idle
         if metadata is None or not metadata.loads:
@@ -154,8 +155,8 @@ class WorkerHalf:
             return
         if self.disabled is not None:  # nothing is stored: the scheduler forgets these chunks
             self._saves.fail(meta.saves)
-        else:
-            self._saves.save(meta.saves)
+        else:  # a request whose load failed in this step computed on unfilled blocks: none of its KV is kept
+            self._saves.save(meta.saves, drop=self._loads.failed_now)
 
     def handle_preemptions(self) -> None:
         """Gather the saves a step left unflushed, so that preempted blocks may be reused. A save copies its

@@ -44,8 +44,8 @@ def test_a_chunk_is_served_only_once_every_tensor_parallel_rank_wrote_it() -> No
     inflight.note(stored("A", "1", 0))
     assert directory.lookup([k(0), k(1)]) == ["t0"]
     inflight.note(WorkerReport([("A", "t0", k(1), "1")]))  # rank 1 failed chunk 1; rank 0 holds it
-    inflight.finish("A")
-    assert directory.lookup([k(0), k(1)]) == ["t0", "t0"]
+    assert inflight.finish("A") == [("t0", k(1))]  # to drop from rank 0: a load of it would fail on rank 1
+    assert directory.lookup([k(0), k(1)]) == ["t0"] and not directory.holds("t0", k(1))
 
 
 def test_rows_of_other_requests_and_late_rows_change_nothing() -> None:

@@ -1,6 +1,6 @@
 """TieredConnector over parallel engines: tensor-parallel ranks keep their disk records apart and load their own
 KV back, worker reports aggregate over ranks (and reach each child of a multi connector), a chunk is forgotten only
-when every rank failed it, and pipeline parallelism is refused."""
+when any rank failed it, and pipeline parallelism is refused."""
 
 from __future__ import annotations
 
@@ -160,10 +160,10 @@ def run_tp_step(sched: TieredConnector, workers: list[TieredConnector], out: Sch
     return merged
 
 
-def test_a_chunk_is_forgotten_only_when_every_tensor_parallel_rank_failed_it(tmp_path: Path) -> None:
-    """Two ranks. Rank 1 cannot write the full-attention group, both ranks cannot write the window group: the
-    full-attention chunks, held by rank 0, stay tracked (evictable from rank 0's tiers; rank 1's later load of
-    one is reported and recomputed); the window chunks, held by no rank, are forgotten."""
+def test_a_chunk_any_tensor_parallel_rank_failed_is_forgotten_and_leaves_the_others(tmp_path: Path) -> None:
+    """Two ranks. Rank 1 cannot write the full-attention group, both ranks cannot write the window group: every
+    chunk is forgotten (a chunk one rank lacks is no hit: its load would fail there, and the step computed on it
+    would be wrong), and the full-attention records rank 0 wrote leave its disk at the next step."""
     cfg = cfg_for(tmp_path, ("disk",))
     spaces = [namespaces(tp_ident(cfg, r), KCC, C) for r in (0, 1)]
     for rank, group in ((1, 0), (0, 1), (1, 1)):
@@ -192,9 +192,16 @@ def test_a_chunk_is_forgotten_only_when_every_tensor_parallel_rank_failed_it(tmp
         tracked = {key[:16]: [] for _, key in saved}
         for tier, key in saved:
             tracked[key[:16]].append(half.directory.contains(tier, key))
-        assert tracked[spaces[0][0]] == [True] * 5  # full attention: rank 0 holds it
+        assert tracked[spaces[0][0]] == [False] * 5  # full attention: rank 1 lacks it
         assert tracked[spaces[0][1]] == [False] * 5  # window: no rank holds it
         assert not half._inflight.failures("A") and not half._inflight.pending("A")
+        full = [key for _, key in saved if key[:16] == spaces[0][0]]
+        disk0 = workers[0]._store.tier("disk")
+        assert workers[0]._loop.run(disk0.contains(full)) == [True] * 5
+        run_tp_step(sched, workers, SchedulerOutput(), sending)  # the drops ship
+        for w in workers:
+            w.flush_saves()
+        assert workers[0]._loop.run(disk0.contains(full)) == [False] * 5
     finally:
         sched.shutdown()
         for w in workers:

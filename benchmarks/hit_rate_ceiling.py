@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvtier.bench.measure import machine_info, write_json  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = ROOT / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
 RESULTS = ROOT / "benchmarks" / "results" / "hit_rate_ceiling.json"
 BLOCK = 512
 SCALES = (20_000, 40_000, 80_000, 160_000)

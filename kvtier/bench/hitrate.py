@@ -241,8 +241,9 @@ def bars(docs: Sequence[dict[str, Any]], policy: str) -> list[dict[str, Any]]:
 
 # ---- command line: kvtier.bench.hitrate_cli, imported when called (it imports this module) -------------------
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-TRACE_SOURCE = "github.com/kvcache-ai/Mooncake, file FAST25-release/traces/conversation_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE_SOURCE = ("github.com/kvcache-ai/Mooncake, file FAST25-release/traces/conversation_trace.jsonl, saved as "
+                "benchmarks/traces/mooncake_conversation_trace.jsonl; a clone of kvtier has it")
 DEFAULT_POLICY = PolicyConfig().eviction
 
 

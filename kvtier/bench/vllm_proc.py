@@ -203,7 +203,7 @@ def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer, list[floa
             first_token[0] = end  # an async load's empty steps and a chunked prefill's first steps gave none
         return out
 
-    engine.step = timed_step  # type: ignore[method-assign]
+    engine.step = timed_step  # type: ignore[method-assign, unused-ignore]
     return llm, steps, hooks, first_token
 
 

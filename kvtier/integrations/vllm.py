@@ -88,7 +88,7 @@ VLLM_FACTORY = ConnectorFactory(
 )
 
 
-class KVTierStats(kvbase.KVConnectorStats, VllmStats):  # type: ignore[misc]
+class KVTierStats(kvbase.KVConnectorStats, VllmStats):  # type: ignore[misc, unused-ignore]  # misc only where vLLM is installed
     """kvtier's stats (numbers summed on aggregate) as a vLLM ``KVConnectorStats``."""
 
 
@@ -129,7 +129,7 @@ def _kvtier_parts(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [dict(v.data if not isinstance(v, dict) else v) for v in nested]
 
 
-class KVTierMultiStats(MultiConnectorStats, VllmStats):  # type: ignore[misc]
+class KVTierMultiStats(MultiConnectorStats, VllmStats):  # type: ignore[misc, unused-ignore]
     """Stats of ``KVTierMultiConnector``'s children keyed by class name, as a vLLM ``KVConnectorStats``."""
 
 
@@ -170,7 +170,7 @@ def prefer_recompute(vllm_config: Any) -> None:
 
 # kvtier's engine-neutral signatures name kvtier's types where vLLM's name vLLM's (same calls and values), hence
 # the ignores on the two classes below
-class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # type: ignore[misc]
+class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # type: ignore[misc, unused-ignore]
     """kvtier's tiered KV cache as a vLLM connector (scheduler half or worker half, by role): kvtier's
     engine-neutral connector with vLLM's base class and the hooks only vLLM has."""
 
@@ -226,7 +226,7 @@ class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # 
         return _vllm_events(TieredConnector.take_events(self), self.kvtier_config)
 
 
-class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):  # type: ignore[misc]
+class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):  # type: ignore[misc, unused-ignore]
     """Child connectors chained as one (kvtier's MultiConnector rules, children built by kvtier's factory), with
     vLLM's base class and vLLM's own hooks forwarded to the children."""
 

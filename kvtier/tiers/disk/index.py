@@ -180,6 +180,28 @@ def scan(layout: Layout, max_raw: int) -> ScanResult:
     return result
 
 
+def count_records(root: str) -> dict[str, int]:
+    """Bytes of the record files (``*.kvt``, temp files not) per namespace hex, from their sizes alone (no header
+    is read): how the shared-directory ledger recounts under its lock (kvtier.tiers.disk.ledger)."""
+    out: dict[str, int] = {}
+    try:
+        spaces = [e.name for e in os.scandir(root) if _is_namespace(e.name) and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return out
+    for space in spaces:
+        total = 0
+        for dirpath, _, files in os.walk(os.path.join(root, space)):
+            for name in files:
+                if name.endswith(SUFFIX):
+                    try:
+                        total += os.stat(os.path.join(dirpath, name)).st_size
+                    except FileNotFoundError:
+                        continue
+        if total > 0:
+            out[space] = total
+    return out
+
+
 def _scan_one(layout: Layout, path: str, name: str, max_raw: int) -> tuple[float, Key, int] | int:
     """(mtime, key, size) of a valid record, after moving it to its place; the size of an invalid one (deleted).
     ``FileNotFoundError`` when the file vanished meanwhile."""

@@ -1,9 +1,10 @@
 """Record files of the disk tier: atomic writes and verified reads (blocking; the tier runs them in worker threads).
 
-``write_record`` encodes a record into a temp file and renames it into place. ``read_record`` /
-``read_records`` read files into recycled buffers (small records of one call share one), hash each piece as it
-arrives and verify the header, key, checksum and signature; with ``nowait`` (Linux ``RWF_NOWAIT``) a record the
-page cache does not hold entirely raises ``Deferred`` instead of waiting for the device.
+``stage_record`` encodes a record into a temp file, which the shared directory renames into place as it counts
+it. ``read_record`` / ``read_records`` read files into recycled buffers (small records of one call share one),
+hash each piece as it arrives and verify the header, key, checksum and signature; with ``nowait`` (Linux
+``RWF_NOWAIT``) a record the page cache does not hold entirely raises ``Deferred`` instead of waiting for the
+device.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvtier.codec import (
 from kvtier.errors import CorruptRecord
 from kvtier.keys import Key
 from kvtier.layout import dtype_name
-from kvtier.tiers.disk.files import fsync_dir, open_temp, write_and_rename
+from kvtier.tiers.disk.files import Staged, finish_temp, open_temp
 from kvtier.tiers.disk.index import Layout
 from kvtier.tiers.memory.recycle import Recycler
 
@@ -39,9 +40,10 @@ def _payload_view(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
-def write_record(layout: Layout, key: Key, tensor: torch.Tensor, compression: str | None,
-                 hmac_key: bytes | None, fsync: bool) -> int:
-    """Encode and atomically write one record (blocking); return the file size. Raises OSError."""
+def stage_record(layout: Layout, key: Key, tensor: torch.Tensor, compression: str | None,
+                 hmac_key: bytes | None, fsync: bool) -> Staged:
+    """Encode one record into a temp file beside its place (blocking; fsynced when asked), to be renamed into place
+    under the ledger's lock (kvtier.tiers.disk.shared). Raises OSError (the temp file removed)."""
     parts = encode(key, _payload_view(tensor), dtype_name(tensor.dtype), tuple(tensor.shape),
                    compression=compression, hmac_key=hmac_key)
     final = layout.path(key)
@@ -54,10 +56,7 @@ def write_record(layout: Layout, key: Key, tensor: torch.Tensor, compression: st
         layout.forget_dirs()
         layout.make_dirs(directory)
         fd = open_temp(tmp)
-    size = write_and_rename(fd, tmp, final, parts, fsync)
-    if fsync:
-        fsync_dir(directory)
-    return size
+    return Staged(tmp, final, finish_temp(fd, tmp, parts, fsync))
 
 
 def _new_buffer(nbytes: int, lead: int = 0) -> np.ndarray:

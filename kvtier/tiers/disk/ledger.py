@@ -1,53 +1,69 @@
 """The usage ledger of a disk directory that several processes share (blocking: run it in worker threads).
 
-``<root>/.kvtier-ledger`` is a small JSON file, read and rewritten only while holding ``fcntl.flock`` on
-``<root>/.kvtier-lock`` (a new descriptor per transaction, so threads of one process exclude each other too)::
+Its files, under ``<root>``, are read and written only while holding ``fcntl.flock`` on ``.kvtier-lock``, a file
+of its own (the ledger is replaced by a rename, which would leave a lock held on the old file behind; a new
+descriptor per transaction, so threads of one process exclude each other too):
 
-    {"kvtier_ledger": 1, "quota": <bytes for the whole directory>,
+* ``.kvtier-ledger``, the counts::
+
+    {"kvtier_ledger": 2, "quota": <bytes for the whole directory>,
      "bytes": {"<namespace hex>": <bytes of its record files>, ...},
-     "members": {"<host>:<pid>:<token>": {"host": str, "pid": int, "capacity": int,
-                                           "namespaces": ["<namespace hex>", ...], "seen": float}, ...}}
+     "reserved": {"<member id>": {"<namespace hex>": <bytes reserved for records not yet in place>}, ...},
+     "members": {"<member id>": {...}, ...}}
 
-A member is one open disk tier. It is gone when its process is (same host: the pid no longer exists; another
-host: not seen for ``GONE_AFTER`` seconds); gone members are dropped on every transaction. A file that is
-absent or invalid reads as a fresh ledger (``fresh``): the caller rebuilds its counts from a scan.
+  ``members`` is a copy of the member files as of the last transaction, for reading: membership is read from
+  ``.kvtier-members/``, one file per open disk tier (kvtier.tiers.disk.members), never from the ledger.
+
+The rules:
+
+* Every change is atomic: the new ledger is written whole into ``.kvtier-ledger.tmp`` (fsynced, and then its
+  directory, when the tier's ``fsync`` says so), every write checked, and renamed over the old one. A process
+  killed at any step leaves the old ledger or the new one, never a mix; the next writer removes its temp file.
+* ``bytes`` are the record files' sizes: files change only under the lock, in the transaction that counts the
+  change (kvtier.tiers.disk.shared): a record is counted, the ledger written, then the record renamed into
+  place; a record is unlinked, then uncounted. A process killed in between leaves bytes no file holds (an
+  overcount: the quota still holds), which the next transaction recounts (below).
+* The directory's total is its files' bytes plus the reservations of live members; a member that is gone takes
+  its reservations along (``reserved`` lists live members only).
+* A ledger that is absent, unreadable or invalid (not JSON, wrong schema) is rebuilt under the lock before the
+  transaction goes on (``fresh``): bytes from the record files' sizes, the quota from the live members' files
+  (else the caller's), no reservations (a write whose reservation was lost is checked against the quota again
+  as it lands). A member of this host found dead without having left (killed, perhaps inside a transaction)
+  also makes the transaction recount the bytes from the files (``recounted``). Membership lives in the member
+  files, so a rebuild never takes a running process's namespaces for orphans.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import json
+import logging
 import os
-import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.tiers.disk.files import discard, fsync_dir, open_temp, write_and_rename
+from kvtier.tiers.disk.index import count_records
+from kvtier.tiers.disk.members import HOST, MemberFiles, Roster
+
+__all__ = ["HOST", "LEDGER_NAME", "LOCK_NAME", "Ledger", "LedgerState", "step"]
+
+log = logging.getLogger(__name__)
+
 LEDGER_NAME = ".kvtier-ledger"
 LOCK_NAME = ".kvtier-lock"
-LEDGER_VERSION = 1
-GONE_AFTER = 3600.0  # seconds: a member on another host not seen for this long is gone
-HOST = socket.gethostname()
+LEDGER_VERSION = 2
+STEP_HOOK: Callable[[str], None] | None = None  # tests only: called with each step of a transaction's writes
 
 
-def pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, owned by someone else
-        return True
-    return True
-
-
-def is_alive(member: dict[str, Any], now: float) -> bool:
-    """Whether a member's process still runs (see the module docstring)."""
-    if member.get("host") == HOST:
-        return isinstance(member.get("pid"), int) and pid_exists(member["pid"])
-    seen = member.get("seen")
-    return isinstance(seen, (int, float)) and now - seen < GONE_AFTER
+def step(name: str) -> None:
+    """Mark a step of a transaction's file changes (``STEP_HOOK``: a test stops the process there)."""
+    if STEP_HOOK is not None:
+        STEP_HOOK(name)
 
 
 @dataclass
@@ -57,27 +73,51 @@ class LedgerState:
     quota: int
     bytes: dict[str, int] = field(default_factory=dict)
     members: dict[str, dict[str, Any]] = field(default_factory=dict)
-    fresh: bool = False  # the file was absent or invalid
+    fresh: bool = False  # the file was absent or invalid: rebuilt from the files
+    reserved: dict[str, dict[str, int]] = field(default_factory=dict)
+    recounted: bool = False  # bytes were counted from the files in this transaction
+    written: builtins.bytes = field(default=b"", repr=False)  # the ledger file as it is on disk
+    roster: Roster = field(default_factory=Roster, repr=False)  # the member files as they are on disk
 
     def total(self) -> int:
-        return sum(self.bytes.values())
+        """The directory's bytes: its record files', and every live member's reservations."""
+        return sum(self.bytes.values()) + sum(sum(r.values()) for r in self.reserved.values())
+
+    def held(self, namespace: str) -> int:
+        """A namespace's bytes: its record files', and the reservations for it."""
+        return self.bytes.get(namespace, 0) + sum(r.get(namespace, 0) for r in self.reserved.values())
 
     def add(self, namespace: str, n: int) -> None:
-        """Count ``n`` more bytes (negative: fewer) for ``namespace``; never below zero."""
+        """Count ``n`` more bytes of files (negative: fewer) for ``namespace``; never below zero."""
         left = self.bytes.get(namespace, 0) + n
         if left > 0:
             self.bytes[namespace] = left
         else:
             self.bytes.pop(namespace, None)
 
+    def reserve(self, member: str, namespace: str, n: int) -> None:
+        """Reserve ``n`` bytes for ``member``'s records of ``namespace`` not yet in place."""
+        if n > 0:
+            mine = self.reserved.setdefault(member, {})
+            mine[namespace] = mine.get(namespace, 0) + n
+
+    def release(self, member: str, namespace: str, n: int) -> None:
+        """End ``n`` bytes of those reservations (fewer where a rebuild lost them)."""
+        mine = self.reserved.get(member, {})
+        left = mine.get(namespace, 0) - n
+        if left > 0:
+            mine[namespace] = left
+        else:
+            mine.pop(namespace, None)
+        if not mine:
+            self.reserved.pop(member, None)
+
     def claimed_by_others(self, me: str) -> set[str]:
         """Namespaces that live members other than ``me`` serve (members of ``me``'s own process included:
         one process's tiers on one directory act as one)."""
-        pid = self.members.get(me, {}).get("pid", os.getpid())
         out: set[str] = set()
-        for name, member in self.members.items():
-            if name != me and not (member.get("host") == HOST and member.get("pid") == pid):
-                out.update(member.get("namespaces", ()))
+        for member in self.others(me):
+            out.update(member.get("namespaces", ()))
         return out
 
     def others(self, me: str) -> list[dict[str, Any]]:
@@ -86,67 +126,106 @@ class LedgerState:
         return [m for n, m in self.members.items() if n != me and not (m.get("host") == HOST and m.get("pid") == pid)]
 
 
-def _parse(raw: bytes, default_quota: int) -> LedgerState:
+def _counts(raw: object) -> dict[str, int]:
+    if not isinstance(raw, dict):
+        raise TypeError("not a mapping")
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in raw.values()):
+        raise ValueError("not a byte count")
+    return {str(k): v for k, v in raw.items() if v > 0}
+
+
+def _parse(raw: bytes) -> LedgerState | None:
+    """The ledger ``raw`` holds; None when it is not a valid one."""
     try:
         data = json.loads(raw)
         if not isinstance(data, dict) or data.get("kvtier_ledger") != LEDGER_VERSION:
-            raise ValueError("not a kvtier ledger")
-        quota, counts, members = data["quota"], data["bytes"], data["members"]
-        if not isinstance(quota, int) or quota <= 0 or not isinstance(counts, dict) or not isinstance(members, dict):
-            raise ValueError("bad fields")
-        state = LedgerState(quota, {str(k): int(v) for k, v in counts.items() if int(v) > 0},
-                            {str(k): dict(v) for k, v in members.items() if isinstance(v, dict)})
+            return None
+        quota, reserved = data["quota"], data["reserved"]
+        if not isinstance(quota, int) or isinstance(quota, bool) or quota <= 0 or not isinstance(reserved, dict):
+            return None
+        return LedgerState(quota, _counts(data["bytes"]), reserved={str(m): _counts(r) for m, r in reserved.items()})
     except (ValueError, KeyError, TypeError):
-        return LedgerState(default_quota, fresh=True)
-    now = time.time()
-    state.members = {k: m for k, m in state.members.items() if is_alive(m, now)}
-    return state
+        return None
 
 
 def _dump(state: LedgerState) -> bytes:
-    body = {"kvtier_ledger": LEDGER_VERSION, "quota": state.quota, "bytes": state.bytes, "members": state.members}
+    body = {"kvtier_ledger": LEDGER_VERSION, "quota": state.quota, "bytes": state.bytes,
+            "reserved": {m: r for m, r in state.reserved.items() if r}, "members": state.members}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 class Ledger:
-    """The ledger and lock files of one directory."""
+    """The ledger, lock and member files of one directory."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, fsync: bool = False) -> None:
+        self.root = root
         self.path = os.path.join(root, LEDGER_NAME)
         self.lock_path = os.path.join(root, LOCK_NAME)
+        self.fsync = fsync
+        self.member_files = MemberFiles(root, fsync)
 
     @contextlib.contextmanager
     def locked(self, default_quota: int, write: bool = True) -> Iterator[LedgerState]:
-        """Hold the lock, read the ledger (``default_quota`` for a fresh one), yield it, write it back if it
-        changed (and ``write``). Raises OSError when the files cannot be created or locked."""
+        """Hold the lock, read the ledger (rebuilt when it must be: the module docstring; ``default_quota`` for a
+        new one), yield it, write back what changed (if ``write``). Raises OSError when the files cannot be
+        created, locked or written."""
         lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                raw = _read_all(fd)
-                state = _parse(raw, default_quota)
-                yield state
-                out = _dump(state)
-                if write and out != raw:
-                    os.pwrite(fd, out, 0)
-                    os.ftruncate(fd, len(out))
-            finally:
-                os.close(fd)
+            state = self._load(default_quota)
+            yield state
+            if write:
+                self.save(state)
         finally:
             os.close(lock_fd)  # closing the descriptor releases the lock
+
+    def save(self, state: LedgerState) -> None:
+        """Write what changed now: the member files, then the ledger. Only inside ``locked``."""
+        self.member_files.save(state.members, state.roster)
+        out = _dump(state)
+        if out != state.written:
+            self._replace(out)
+            state.written = out
 
     def read(self, default_quota: int) -> LedgerState:
         """A snapshot of the ledger (taken under the lock, changes discarded)."""
         with self.locked(default_quota, write=False) as state:
             return LedgerState(state.quota, dict(state.bytes), {k: dict(m) for k, m in state.members.items()},
-                               state.fresh)
+                               state.fresh, {k: dict(r) for k, r in state.reserved.items()}, state.recounted)
 
+    def _load(self, default_quota: int) -> LedgerState:
+        roster = self.member_files.load(time.time())
+        raw = self._read()
+        state = _parse(raw)
+        if state is None:
+            quotas = [m["quota"] for m in roster.live.values() if isinstance(m.get("quota"), int) and m["quota"] > 0]
+            state = LedgerState(min(quotas, default=default_quota), fresh=True)
+        state.members, state.roster, state.written = roster.live, roster, raw
+        state.reserved = {m: r for m, r in state.reserved.items() if m in state.members}
+        if state.fresh or roster.died:
+            state.bytes = count_records(self.root)
+            state.recounted = True
+        return state
 
-def _read_all(fd: int) -> bytes:
-    parts = []
-    offset = 0
-    while chunk := os.pread(fd, 1 << 16, offset):
-        parts.append(chunk)
-        offset += len(chunk)
-    return b"".join(parts)
+    def _read(self) -> bytes:
+        """The ledger file's bytes; none when it is absent or unreadable (then it is rebuilt)."""
+        try:
+            with open(self.path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return b""
+        except OSError as exc:
+            log.warning("cannot read the disk tier ledger %s (rebuilding it from the files): %s", self.path, exc)
+            return b""
+
+    def _replace(self, data: bytes) -> None:
+        """Write the ledger file whole: a temp file (only the lock holder writes one: a fixed name, and any found
+        is a killed writer's), fsynced if asked, renamed over the ledger."""
+        tmp = self.path + ".tmp"
+        discard(tmp)
+        fd = open_temp(tmp)
+        step("ledger:temp")
+        write_and_rename(fd, tmp, self.path, [data], self.fsync)
+        step("ledger:renamed")
+        if self.fsync:
+            fsync_dir(self.root)

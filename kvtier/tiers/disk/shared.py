@@ -12,10 +12,15 @@ The rule (the disk tier's docstring says why):
   never below that share, then from its own oldest. A process at or over its share deletes its own namespaces'
   oldest records, then orphans'. Nothing else deletes another running process's records; what still does not
   fit is refused. A namespace is an orphan once no live ledger member names it (a member leaves when its tier
-  closes; one on this host whose pid is gone is dropped: kvtier.tiers.disk.ledger).
+  closes; one on this host whose pid is gone is dropped: kvtier.tiers.disk.members).
 * A process's namespaces: those it was told of (``DiskTier.describe``) and those it writes; without a
   description, at start also those whose directory has no manifest and that no other running process serves
   (a ``TieredStore`` of raw keys adopts what its earlier run wrote).
+* The ledger counts the record files exactly: a put reserves its bytes, writes its records into temp files
+  (lock not held), then, under the lock, ends the reservation and renames each record into place, counting what
+  its file adds (its size less the file it replaces, as found then); one that would now take the directory over
+  its quota (the file it replaced vanished, or a rebuilt ledger lost the reservation) is dropped. Deletions unlink
+  and uncount under the lock. Two processes writing one key thus count it once.
 
 The blocking methods run in worker threads; the tier calls them with what it read on the event loop thread.
 """
@@ -26,14 +31,17 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvtier.keys import DIGEST_BYTES, Key
 from kvtier.manifest import read_manifest, same_namespace, write_manifest
-from kvtier.tiers.disk.index import SUFFIX, Layout, ScanResult
-from kvtier.tiers.disk.ledger import HOST, Ledger, LedgerState
+from kvtier.tiers.disk.files import Staged, discard
+from kvtier.tiers.disk.index import SUFFIX, Layout, ScanResult, count_records
+from kvtier.tiers.disk.ledger import HOST, Ledger, LedgerState, step
+from kvtier.tiers.disk.members import SEEN_EVERY
+from kvtier.tiers.disk.placement import Batch, admit, rename, size_of, sync_dirs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,7 +57,7 @@ class Victim:
 
 @dataclass
 class Reservation:
-    """What a batch reserved: per item the bytes counted (None: refused), and the records deleted for room."""
+    """What a batch reserved: per item the bytes reserved (None: refused), and the records deleted for room."""
 
     counted: list[int | None] = field(default_factory=list)
     evicted: dict[Key, int] = field(default_factory=dict)
@@ -58,11 +66,12 @@ class Reservation:
 class SharedDirectory:
     """This tier's membership of its directory's ledger."""
 
-    def __init__(self, name: str, layout: Layout, capacity: int) -> None:
+    def __init__(self, name: str, layout: Layout, capacity: int, fsync: bool = False) -> None:
         self.name = name
         self.layout = layout
         self.capacity = capacity
-        self.ledger = Ledger(layout.root)
+        self.fsync = fsync
+        self.ledger = Ledger(layout.root, fsync)
         self.me = f"{HOST}:{os.getpid()}:{secrets.token_hex(4)}"
         self.quota = capacity  # the directory's, as last read
         self.total = 0  # the directory's bytes, as last read
@@ -72,31 +81,31 @@ class SharedDirectory:
 
     # ---- transactions (blocking) ----------------------------------------------------------------------
     def _note(self, state: LedgerState, own: Sequence[bytes]) -> None:
-        """Register this member (its capacity, namespaces, last seen) and remember what the ledger says."""
+        """Register this member (its capacity, namespaces, the quota, last seen) and remember what the ledger says."""
         member = state.members.setdefault(self.me, {"host": HOST, "pid": os.getpid(), "capacity": self.capacity,
                                                     "namespaces": []})
         known = set(member["namespaces"])
         member["namespaces"] = member["namespaces"] + sorted(ns.hex() for ns in own if ns.hex() not in known)
-        member["seen"] = round(time.time(), 1)
+        member["quota"] = state.quota
+        now = time.time()
+        if now - member.get("seen", 0.0) >= SEEN_EVERY:  # not every transaction: each change rewrites its file
+            member["seen"] = round(now, 1)
         self.quota = state.quota
         self.total = state.total()
         self.foreign = {bytes.fromhex(h) for h in state.claimed_by_others(self.me)}
 
     def join(self, scan: Callable[[], ScanResult], own: Sequence[bytes]) -> ScanResult:
-        """Enter the ledger and scan the directory. The first process (or one alone with a fresh or
-        stale ledger) scans under the lock and recounts every namespace's bytes from the files."""
+        """Enter the ledger, scan the directory (the lock not held: others write meanwhile), then recount every
+        namespace's bytes from the record files under the lock (the scan removed invalid ones; a purge, or a
+        process of another host killed mid-transaction, may have left counts no file holds)."""
         with self.ledger.locked(self.capacity) as state:
-            alone = not state.others(self.me)
-            result = scan() if alone or state.fresh else None
-            if result is not None:
-                _recount(state, result, set())
             self._note(state, own)
             self._warn_quota(state)
-        if result is None:  # others write meanwhile: recount only the namespaces none of them serves
-            result = scan()
-            with self.ledger.locked(self.capacity) as state:
-                _recount(state, result, state.claimed_by_others(self.me))
-                self._note(state, ())
+        result = scan()
+        with self.ledger.locked(self.capacity) as state:
+            if not state.recounted:
+                state.bytes = count_records(self.layout.root)
+            self._note(state, ())
         return result
 
     def _warn_quota(self, state: LedgerState) -> None:
@@ -115,6 +124,7 @@ class SharedDirectory:
         try:
             with self.ledger.locked(self.capacity) as state:
                 state.members.pop(self.me, None)
+                state.reserved.pop(self.me, None)
         except OSError as exc:
             log.warning("disk tier %s: cannot leave the ledger of %s: %s", self.name, self.layout.root, exc)
 
@@ -125,27 +135,47 @@ class SharedDirectory:
         self.write_manifests(own, True)
 
     def store(self, items: Sequence[tuple[Key, T]], uppers: Sequence[int], victims: Sequence[Victim],
-              own: Sequence[bytes], write: Callable[[Sequence[tuple[Key, T]]], list[int | Exception]],
+              own: Sequence[bytes], stage: Callable[[Sequence[tuple[Key, T]]], list[Staged | Exception]],
               ) -> tuple[list[int | Exception | None], Reservation]:
         """Reserve the items' bytes (``uppers``: file sizes at most) deleting ``victims`` for room as needed,
-        write the manifests of their namespaces, ``write`` the items that fit, and correct the ledger by what
-        they took. Per item: its file size, the error that dropped it, or None where the directory is full."""
+        write the manifests of their namespaces, ``stage`` the items that fit (each into its temp file), and put
+        those in place (``_place``). Per item: its file size, the error that dropped it, or None where the
+        directory is full."""
         room = self.reserve([(k, n) for (k, _), n in zip(items, uppers, strict=True)], victims, own)
         self.write_manifests(sorted({k[:DIGEST_BYTES] for k, _ in items}), True)
-        written = iter(write([item for item, counted in zip(items, room.counted, strict=True) if counted is not None]))
-        out: list[int | Exception | None] = []
-        deltas: dict[bytes, int] = {}
-        for (key, _), upper, counted in zip(items, uppers, room.counted, strict=True):
-            result = None if counted is None else next(written)
-            out.append(result)
-            if counted is not None:
-                delta = result - upper if isinstance(result, int) else -counted
-                deltas[key[:DIGEST_BYTES]] = deltas.get(key[:DIGEST_BYTES], 0) + delta
+        staged = iter(stage([item for item, counted in zip(items, room.counted, strict=True) if counted is not None]))
+        batch = [(key, None if counted is None else next(staged), counted)
+                 for (key, _), counted in zip(items, room.counted, strict=True)]
+        return self._place(batch), room
+
+    def _place(self, batch: Batch) -> list[int | Exception | None]:
+        """Under the lock: end the batch's reservations (``(key, staged, reserved)``), count each staged record
+        that fits, write the ledger, then rename them into place (a process killed in between leaves an
+        overcount, never an undercount). Per item: its file size, the error that dropped it, or None."""
+        out: list[int | Exception | None] = [s if isinstance(s, Exception) else None for _, s, _ in batch]
+        if all(counted is None for _, _, counted in batch):
+            return out
         try:
-            self.adjust(deltas)
+            with self.ledger.locked(self.capacity) as state:
+                for key, _, counted in batch:
+                    state.release(self.me, key[:DIGEST_BYTES].hex(), counted or 0)
+                placing = admit(state, batch)
+                self.ledger.save(state)
+                step("counted")
+                for i, staged, delta in placing:
+                    out[i] = rename(state, batch[i][0], staged, delta)
+                step("placed")
+                self.total = state.total()
         except OSError as exc:
-            log.warning("disk tier %s: cannot correct the ledger of %s: %s", self.name, self.layout.root, exc)
-        return out, room
+            log.warning("disk tier %s: cannot count writes in the ledger of %s: %s", self.name, self.layout.root, exc)
+            for i, (_, left, _) in enumerate(batch):
+                if isinstance(left, Staged) and not isinstance(out[i], int):
+                    discard(left.tmp)
+                    out[i] = exc
+        if self.fsync:
+            sync_dirs(self.name, [s.final for (_, s, _), got in zip(batch, out, strict=True)
+                                  if isinstance(s, Staged) and isinstance(got, int)])
+        return out
 
     def reserve(self, items: Sequence[tuple[Key, int]], victims: Sequence[Victim], own: Sequence[bytes]) -> Reservation:
         """Count each item's bytes (``(key, upper bound of its file size)``, less the file it replaces) if the
@@ -159,7 +189,7 @@ class SharedDirectory:
             orphans = [v for v in victims if not v.own and v.key[:DIGEST_BYTES].hex() not in foreign]
             total = state.total()
             for key, upper in items:
-                need = upper - _size(self.layout.path(key))
+                need = upper - size_of(self.layout.path(key))
                 if total + need > state.quota:
                     if self._below_share(state, need):
                         total -= self._take(state, orphans, state.quota - need - total, out.evicted)
@@ -170,9 +200,11 @@ class SharedDirectory:
                 if total + need > state.quota:
                     out.counted.append(None)
                     continue
-                state.add(key[:DIGEST_BYTES].hex(), need)
-                total += need
-                out.counted.append(need)
+                state.reserve(self.me, key[:DIGEST_BYTES].hex(), max(need, 0))
+                total += max(need, 0)
+                out.counted.append(max(need, 0))
+            if out.evicted:
+                step("evicted")
             self.total = total
         return out
 
@@ -188,7 +220,7 @@ class SharedDirectory:
         """Whether our namespaces, with ``need`` more bytes, stay within a fair share of the quota."""
         mine = set(state.members.get(self.me, {}).get("namespaces", ()))
         live = mine | state.claimed_by_others(self.me)
-        return sum(state.bytes.get(h, 0) for h in mine) + need <= state.quota // max(1, len(live))
+        return sum(state.held(h) for h in mine) + need <= state.quota // max(1, len(live))
 
     def _fair_share(self, state: LedgerState, wanted: int, evicted: dict[Key, int]) -> int:
         """Free up to ``wanted`` bytes from the namespace furthest over its fair share (the quota split evenly
@@ -196,14 +228,14 @@ class SharedDirectory:
         the bytes freed. The caller checks that ours are below our share."""
         mine = set(state.members.get(self.me, {}).get("namespaces", ()))
         share = state.quota // max(1, len(mine | state.claimed_by_others(self.me)))
-        richest = max((h for h in state.bytes if h not in mine), key=lambda h: state.bytes[h], default=None)
-        if richest is None or state.bytes[richest] <= share:
+        richest = max((h for h in state.bytes if h not in mine), key=state.held, default=None)
+        if richest is None or state.held(richest) <= share:
             return 0
         freed = 0
         for key in _oldest(os.path.join(self.layout.root, richest)):
             if freed >= wanted:
                 break
-            if state.bytes.get(richest, 0) - _size(self.layout.path(key)) < share:
+            if state.held(richest) - size_of(self.layout.path(key)) < share:
                 break  # this record would take the namespace below its share
             freed += self._unlink(state, key, evicted)
         return freed
@@ -221,14 +253,6 @@ class SharedDirectory:
         state.add(key[:DIGEST_BYTES].hex(), -size)
         evicted[key] = size
         return size
-
-    def adjust(self, deltas: Mapping[bytes, int]) -> None:
-        """Correct the counts by ``deltas`` per namespace (writes that failed, compressed files)."""
-        if any(deltas.values()):
-            with self.ledger.locked(self.capacity) as state:
-                for space, n in deltas.items():
-                    state.add(space.hex(), n)
-                self.total = state.total()
 
     def remove(self, keys: Sequence[Key]) -> dict[Key, int]:
         """Delete record files and uncount them; return the size of each one that existed."""
@@ -261,16 +285,6 @@ class SharedDirectory:
                 log.warning("disk tier %s: cannot write the manifest of %s: %s", self.name, directory, exc)
 
 
-def _recount(state: LedgerState, result: ScanResult, keep: set[str]) -> None:
-    """Set every namespace's bytes to what ``result`` found, but for those in ``keep``."""
-    found: dict[str, int] = {}
-    for key, size in result.entries:
-        space = key[:DIGEST_BYTES].hex()
-        found[space] = found.get(space, 0) + size
-    state.bytes = {s: n for s, n in state.bytes.items() if s in keep}
-    state.bytes.update({s: n for s, n in found.items() if s not in keep and n > 0})
-
-
 def _oldest(directory: str) -> list[Key]:
     """Keys of the record files under a namespace directory, oldest first."""
     found: list[tuple[float, Key]] = []
@@ -282,10 +296,3 @@ def _oldest(directory: str) -> list[Key]:
                 except (OSError, ValueError):
                     continue
     return [key for _, key in sorted(found)]
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0

@@ -13,12 +13,14 @@ of one engine): kvtier.tiers.disk.shared has the rule. One quota for the directo
 share (quota / namespaces served) deletes the oldest of orphans (namespaces no running process serves), then of
 the namespace furthest over its share (never below it), then its own; at its share, its own then orphans'. No global
 LRU (each evicts by age within what it may take), and a namespace at or below its share is never cut by
-another process. A put costs one or two short ledger transactions in the writer thread (no extra thread
-hop). A killed process may leave its last batch counted until a start recounts. Manifests: kvtier.manifest.
+another process. A put costs two short ledger transactions in the writer thread (no extra thread hop): one
+reserves its bytes, one renames its records into place and counts them, so the ledger matches the files (a
+killed process's reservations go with it; kvtier.tiers.disk.ledger). Manifests: kvtier.manifest.
 
 Writes: encode (kvtier.codec, optional compression and HMAC) into a temp file in the target directory, fsync
-when configured, ``os.replace``. The quota counts whole files; a put that would exceed it is refused. Any
-OSError while writing (ENOSPC included) drops that write, removes the temp file and counts ``errors``.
+when configured, ``os.replace`` under the ledger's lock. The quota counts whole files; a put that would exceed
+it is refused. Any OSError while writing (ENOSPC included) drops that write, removes the temp file and counts
+``errors``.
 Reads verify the key, checksum and signature; a corrupt or truncated file is a miss, deleted and counted in
 ``corrupt``; a file removed behind our back (another process sharing the directory) is a miss. The records of
 one ``put`` are written one after another by the tier's single writer thread, at the lowest CPU priority
@@ -49,8 +51,9 @@ from kvtier.keys import DIGEST_BYTES, Key
 from kvtier.metrics import DiskStats, Timer
 from kvtier.runtime import background_thread
 from kvtier.tiers.base import Tier, TierEntry
+from kvtier.tiers.disk.files import Staged
 from kvtier.tiers.disk.index import DIR_MODE, PATH_ERRNOS, Layout, scan
-from kvtier.tiers.disk.io import NOWAIT_FLAGS, SMALL_RECORD, Deferred, ReadResult, read_records, read_runs, write_record
+from kvtier.tiers.disk.io import NOWAIT_FLAGS, SMALL_RECORD, Deferred, ReadResult, read_records, read_runs, stage_record
 from kvtier.tiers.disk.records import Records
 from kvtier.tiers.disk.shared import Reservation, SharedDirectory, Victim
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
@@ -74,7 +77,7 @@ class DiskTier(Tier):
         self.hmac_key = hmac_key
         self._records = Records()  # what is on disk; our own namespaces (kvtier.tiers.disk.shared)
         self._index = self._records.index
-        self._shared = SharedDirectory(section.name, self.layout, section.capacity)
+        self._shared = SharedDirectory(section.name, self.layout, section.capacity, section.fsync)
         self._started = False
         self._reserved = 0
         self._writing: dict[Key, asyncio.Future[None]] = {}
@@ -355,13 +358,14 @@ class DiskTier(Tier):
         uppers = [self.stored_size(t.numel() * t.element_size()) for _, t in items]
         return self._shared.store(items, uppers, victims, own, self._write_many)
 
-    def _write_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[int | Exception]:
-        """Write each record (blocking, in the writer thread); its file size, or the error that dropped it (each
-        record on its own: one that fails never takes the others of the batch along)."""
-        out: list[int | Exception] = []
+    def _write_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[Staged | Exception]:
+        """Write each record into its temp file (blocking, in the writer thread; ``SharedDirectory.store`` renames
+        them into place); each staged file, or the error that dropped it (each record on its own: one that fails
+        never takes the others of the batch along)."""
+        out: list[Staged | Exception] = []
         for key, tensor in items:
             try:
-                out.append(write_record(self.layout, key, tensor, self.section.compression, self.hmac_key,
+                out.append(stage_record(self.layout, key, tensor, self.section.compression, self.hmac_key,
                                         self.section.fsync))
             except Exception as exc:
                 out.append(exc)

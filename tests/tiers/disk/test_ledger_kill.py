@@ -1,0 +1,95 @@
+"""The shared-directory ledger survives a process killed while it changes it, and rebuilds a torn one: the quota
+still holds when another process writes, and no running process's records are deleted
+(kvtier.tiers.disk.ledger)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from contract import rand
+from ledger_kit import RECORD, Child, described_tier, disk_bytes, key_of, ledger, records
+
+from kvtier.tiers.disk.ledger import LEDGER_NAME, Ledger
+
+QUOTA = 8 * RECORD
+# the steps of one put into a full directory, in order: the reservation's evictions and its ledger write, then
+# the placement's ledger write (records counted), the records renamed into place
+STEPS = ["evicted", "ledger:temp", "ledger:renamed", "ledger:temp", "ledger:renamed", "counted", "placed"]
+
+
+def kill_mid_put(k: Child, at: int | str, log: Path) -> None:
+    """K puts 2 records into the full directory (evicting 2 of its own) and is SIGKILLed at step ``at`` of that
+    put ("torn": once the put is done)."""
+    if at == "torn":
+        assert k.ask("put 5 7 2") == [True, True]
+        k.send("kill")
+    else:
+        k.send(f"arm {at} {log}")
+        k.send("put 5 7 2")
+    assert k.proc.wait(timeout=10) == -signal.SIGKILL, "the child was not killed at that step"
+    if at != "torn":
+        assert isinstance(at, int) and log.read_text() == STEPS[at - 1]
+
+
+def tear(root: Path) -> None:
+    """What an in-place rewrite killed between its write and its truncation leaves: the new JSON, then the old
+    file's tail."""
+    data = (root / LEDGER_NAME).read_bytes()
+    (root / LEDGER_NAME).write_bytes(data + data[len(data) // 2:])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("at", [*range(1, len(STEPS) + 1), "torn"])
+async def test_a_process_killed_mid_ledger_write_leaves_the_quota_and_the_running_processs_records(
+        tmp_path: Path, at: int | str) -> None:
+    """B (3 records) and K (5) fill the directory; C (this process, with a larger capacity of its own) joins; K is
+    killed at one step of a put; then C writes 10 records. The directory stays within its quota after each,
+    B's records all stay (it runs, below its fair share), and the ledger ends equal to the files."""
+    root = tmp_path / "shared"
+    b = Child(root, "model-b", QUOTA).started()
+    k = Child(root, "model-k", QUOTA).started()
+    try:
+        assert b.ask("put 0 3 1") == [True] * 3
+        assert k.ask("put 0 5 1") == [True] * 5
+        c, digest = await described_tier(root, "model-c", 4 * QUOTA)
+        kept = records(root)[b.digest]
+        kill_mid_put(k, at, tmp_path / "step")
+        json.loads((root / LEDGER_NAME).read_bytes())  # whole, whichever step the kill hit
+        assert sum(disk_bytes(root).values()) <= QUOTA
+        if at == "torn":
+            tear(root)
+        for i in range(10):
+            await c.put([(key_of(digest, i), rand((1024,), seed=i))])
+            assert sum(disk_bytes(root).values()) <= QUOTA, i
+            assert records(root)[b.digest] == kept, i
+        assert records(root).get(digest.hex())  # C wrote into the full directory
+        book = ledger(root)
+        assert book["quota"] == QUOTA and book["bytes"] == disk_bytes(root)
+        assert {m["pid"] for m in book["members"].values()} == {b.pid, os.getpid()}  # K is gone
+        assert set(book.get("reserved", {})) <= set(book["members"])  # K's reservations went with it
+        assert not (root / (LEDGER_NAME + ".tmp")).exists()
+        await c.close()
+    finally:
+        b.close()
+        k.close()
+
+
+async def test_a_deleted_ledger_is_rebuilt_from_the_files_and_the_member_files(tmp_path: Path) -> None:
+    """Without its ledger file the directory is counted again from its record files, under the lock, before
+    anything else; the quota and the running members come from the member files (not the reader's default)."""
+    root = tmp_path / "shared"
+    tier, digest = await described_tier(root, "model-a", 4 * RECORD)
+    assert await tier.put([(key_of(digest, i), rand((1024,), seed=i)) for i in range(3)]) == [True] * 3
+    (root / LEDGER_NAME).unlink()
+    state = Ledger(str(root)).read(1 << 30)
+    assert state.fresh and state.quota == 4 * RECORD and state.bytes == disk_bytes(root)
+    assert [m["namespaces"] for m in state.members.values()] == [[digest.hex()]]
+    (root / LEDGER_NAME).write_text('{"kvtier_ledger": 2, "quota": 5, "bytes": {"aa": -1}, "reserved": {}}')
+    assert Ledger(str(root)).read(1 << 30).bytes == disk_bytes(root)  # a negative count: not a ledger
+    assert await tier.put([(key_of(digest, 9), rand((1024,), seed=9))]) == [True]  # evicts its oldest: full
+    assert sum(disk_bytes(root).values()) <= 4 * RECORD and ledger(root)["bytes"] == disk_bytes(root)
+    await tier.close()

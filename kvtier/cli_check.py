@@ -7,7 +7,9 @@ installed (the ``redis`` extra) is an error. Plain ``check`` is offline: it open
 
 ``--probe`` also tries each tier on this host (kvtier.probe): writes and removes a file in each disk tier's
 path, PINGs each Redis server or cluster node with the configured credentials, checks that a gpu tier's device
-exists, and warns where the capacities exceed the host's RAM, GPU memory or free disk.
+exists, reserves each memory tier's address space as the tier does at start, and compares capacities with the
+host's RAM, GPU memory and free disk: what would keep a tier from starting (a reservation refused, pinned or GPU
+memory past what is free) fails; more than the host has of memory that is used only as a tier fills warns.
 
 Exit code: 0 when the config is valid (and, with ``--probe``, every probe passed; warnings allowed), 1 when a
 probe failed, 2 for a config or usage error.
@@ -95,6 +97,19 @@ def parse_model_shape(text: str) -> ModelShape:
     return replace(shape, **values)
 
 
+def shape_defaults(text: str) -> str | None:
+    """For a ``--model-shape`` that leaves out some of layers, kv_heads, head_size and dtype: one line saying
+    which values came from the default shape (None for a preset, or when all four are given)."""
+    if text.strip().lower() in PRESETS:
+        return None
+    given = {item.partition("=")[0].strip() for item in text.split(",")}
+    shape = PRESETS[DEFAULT_SHAPE]
+    missing = [f"{k}={getattr(shape, k)}" for k in ("layers", "kv_heads", "head_size", "dtype") if k not in given]
+    if not missing:
+        return None
+    return f"--model-shape: {', '.join(missing)} from the default shape {DEFAULT_SHAPE} (give them to change them)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvtier check``."""
     parser.add_argument("config", metavar="CONFIG", help="YAML config file")
@@ -106,8 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-env", action="store_true", help="ignore KVTIER_* environment variables")
     parser.add_argument("--probe", action="store_true",
                         help="also try each tier on this host: write a file in each disk path, PING Redis, find "
-                             "the gpu device, compare capacities with RAM, GPU memory and free disk (exit code 1 "
-                             "when a probe fails; warnings do not)")
+                             "the gpu device, reserve each memory tier, compare capacities with RAM, GPU memory and "
+                             "free disk (exit code 1 when a probe fails: a tier that would not start; warnings do "
+                             "not)")
 
 
 def _display_url(url: str) -> str:
@@ -202,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"ok": False, "config": args.config, "path": exc.path, "error": str(exc)}))
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
+    note = shape_defaults(args.model_shape) if args.model_shape != DEFAULT_SHAPE else None
+    if note:
+        print(f"kvtier check: {note}", file=sys.stderr)
     rep = report(cfg, shape, args.config)
     if not args.probe:
         print(json.dumps(rep, indent=2) if args.json else render(rep))

@@ -9,8 +9,9 @@ else receives the frozen section objects.
    or a mapping given as ``source``;
 2. ``KVTIER_<PATH>`` environment variables, ``__`` between nested keys, tiers addressed by name, values parsed
    as YAML scalars: ``KVTIER_CHUNK_SIZE=128``, ``KVTIER_POLICY__EVICTION=lru``,
-   ``KVTIER_TIERS__CPU__CAPACITY=4GiB``. Variables whose first part is not a section (``KVTIER_CONFIG``,
-   ``KVTIER_CACHE_DIR``, ``KVTIER_REDIS_PASSWORD``, HMAC keys, ...) are not config paths and are left alone;
+   ``KVTIER_TIERS__CPU__CAPACITY=4GiB``. The project's own other variables (``KVTIER_CONFIG``,
+   ``KVTIER_CACHE_DIR``, ``KVTIER_REDIS_PASSWORD``, ...: ``config_layers.NON_CONFIG_VARS``) and the HMAC key
+   variable are left alone; any other ``KVTIER_*`` variable is ignored with a warning (and a did-you-mean);
 3. ``overrides``: an engine's extra-config dict shaped like the YAML, deep-merged, tiers merged by name. The
    engine-only keys in :data:`ENGINE_ONLY_KEYS` are ignored here.
 
@@ -19,6 +20,7 @@ Every invalid value raises :class:`ConfigError` naming its key path (``tiers[1].
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -26,7 +28,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from kvtier.config_layers import apply_env, env_layer, merge, plain, read_yaml
+from kvtier.config_layers import NON_CONFIG_VARS, apply_env, env_layer, merge, plain, read_yaml, unknown_env
 from kvtier.config_parse import (
     as_bool,
     as_float,
@@ -39,6 +41,7 @@ from kvtier.config_parse import (
     choice,
     default_cache_dir,
     expand_path,
+    has_password,
     join,
     parse_duration,
     parse_size,
@@ -68,12 +71,14 @@ __all__ = [  # the loader, and the tree's names (importable from here as before 
     "build_config", "config_to_dict", "load_config",
 ]
 
+logger = logging.getLogger(__name__)
+
 SECTIONS = ("chunk_size", "namespace", "tiers", "policy", "placement", "save_partial_chunks", "security", "strict",
             "serve_without_prefix_caching")
 ENGINE_ONLY_KEYS = frozenset({"config_file", "connectors", "load_failure_policy"})
 """Keys of an engine's extra-config dict that are not kvtier config: ``config_file`` (the file to load when no
 source is given) and ``connectors`` (a MultiConnector's children)."""
-ENV_RESERVED = ("KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_REDIS_PASSWORD")
+ENV_RESERVED = NON_CONFIG_VARS  # KVTIER_* variables that are not config paths
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "2GiB"},
@@ -88,8 +93,9 @@ TIER_CLASSES: dict[TierKind, type[TierConfig]] = {
 MEMORY_KINDS = frozenset({TierKind.GPU, TierKind.CPU})
 COMPRESSIONS = ("none", "lz4", "zstd")
 SIZE_FIELDS = frozenset({"capacity", "slot_bytes", "save_backlog"})
-DURATION_FIELDS = frozenset({"ttl", "timeout", "connect_timeout", "breaker_backoff"})
-ZERO_OK = frozenset({"breaker_backoff", "shard_depth"})
+DURATION_FIELDS = frozenset({"ttl", "timeout", "connect_timeout", "breaker_backoff", "persist_after_idle",
+                             "persist_at_close"})
+ZERO_OK = frozenset({"breaker_backoff", "shard_depth", "persist_after_idle", "persist_at_close"})
 PATH_FIELDS = frozenset({"path", "tls_ca", "tls_cert", "tls_key"})
 REDIS_MS_ALIASES = {"timeout_ms": "timeout", "connect_timeout_ms": "connect_timeout"}
 
@@ -108,7 +114,10 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, *,
         for var, parts, value in env_layer(env, SECTIONS, ENV_RESERVED):
             data = apply_env(data, var, parts, value)
         data = merge(data, {k: v for k, v in over.items() if k not in ENGINE_ONLY_KEYS})
-        return build_config(data, env)
+        cfg = build_config(data, env)
+        for line in unknown_env(env, SECTIONS, filter(None, [cfg.security.hmac_key_env])):
+            logger.warning("%s", line)
+        return cfg
     except RecursionError:
         raise ConfigError("", "config nested too deeply") from None
 
@@ -244,6 +253,10 @@ def _build_tier(value: Any, path: str, env: Mapping[str, str]) -> TierConfig:
     if kind is TierKind.DISK and "path" not in kwargs:
         kwargs["path"] = str(Path(default_cache_dir(env)) / kwargs["name"])
     if kind is TierKind.REDIS:
+        if isinstance(raw.get("url"), str) and has_password(raw["url"]):  # from a file or overrides, not the env
+            logger.warning("%s: the URL holds a password, kept in the config for anyone who can read it: drop it "
+                           "from the URL and set $%s", join(path, "url"), kwargs.get("password_env",
+                                                                                  RedisTierConfig.password_env))
         is_cluster = check_redis_url(kwargs.get("url", RedisTierConfig.url), join(path, "url"))
         if is_cluster and kwargs.get("cluster") is False:
             raise ConfigError(join(path, "cluster"), "false, but the URL is redis+cluster://", "remove 'cluster'")
@@ -255,7 +268,7 @@ def _redis_aliases(raw: dict[str, Any], path: str) -> dict[str, Any]:
     """``password`` is refused (secrets stay out of files); ``timeout_ms: 50`` means ``timeout: 50ms``."""
     if "password" in raw:
         raise ConfigError(join(path, "password"), "passwords do not belong in the config file",
-                          "put it in the URL (redis://:PASSWORD@host:6379/0) or in $KVTIER_REDIS_PASSWORD")
+                          "set $KVTIER_REDIS_PASSWORD (or the variable named by password_env)")
     for alias, target in REDIS_MS_ALIASES.items():
         if alias in raw:
             if target in raw:

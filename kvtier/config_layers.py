@@ -7,6 +7,7 @@ Every helper that reads a value takes its key path and raises :class:`ConfigErro
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
@@ -20,6 +21,14 @@ from kvtier.config_parse import EnvScalar, as_list, as_mapping, join, suggest, t
 from kvtier.errors import ConfigError
 
 ENV_PREFIX = "KVTIER_"
+NON_CONFIG_VARS = frozenset({
+    "KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_REDIS_PASSWORD",  # read by the config loader and the tiers
+    "KVTIER_BENCH_DIR",  # kvtier bench fingerprint: where its temporary files go
+    "KVTIER_VLLM_LOCK", "KVTIER_FULL", "KVTIER_SKIP_E2E", "KVTIER_REQUIRE_ALL",  # scripts/bootstrap.sh, test.sh
+    "KVTIER_E2E", "KVTIER_E2E_COUNTS", "KVTIER_E2E_DISK_DELAY_S",  # the end-to-end tests
+})
+"""The project's own ``KVTIER_*`` variables that are not config paths (the one list of them): the loader neither
+reads them as config nor warns about them. The variable a config names in ``security.hmac_key_env`` is exempt too."""
 
 
 def plain(value: Any) -> Any:
@@ -107,6 +116,26 @@ def env_layer(env: Mapping[str, str], sections: Iterable[str],
         if parts[0] in sections:
             out.append((var, parts, EnvScalar(var, env[var])))
     return out
+
+
+def unknown_env(env: Mapping[str, str], sections: Iterable[str], exempt: Iterable[str] = ()) -> list[str]:
+    """One line per ``KVTIER_*`` variable that is neither a config path nor in :data:`NON_CONFIG_VARS` (nor
+    ``exempt``): it is ignored, so say so, with a did-you-mean when a section or a known variable is close."""
+    sections, known = sorted(sections), NON_CONFIG_VARS | set(exempt)
+    lines = []
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in known:
+            continue
+        first, sep, rest = var[len(ENV_PREFIX):].partition("__")
+        if first.lower() in sections:
+            continue
+        close = difflib.get_close_matches(first.lower(), sections, n=1, cutoff=0.6)
+        names = [f"{ENV_PREFIX}{close[0].upper()}{sep}{rest}"] if close else []
+        names += difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.8)
+        hint = f"did you mean {names[0]}?" if names else \
+            "config variables are KVTIER_<SECTION>[__<KEY>...], e.g. KVTIER_POLICY__EVICTION"
+        lines.append(f"{var} is not a kvtier setting and is ignored ({hint})")
+    return lines
 
 
 def apply_env(data: dict[str, Any], var: str, parts: list[str], value: EnvScalar) -> dict[str, Any]:

@@ -205,6 +205,13 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{userinfo.partition(':')[0]}:***@{hosts}"
 
 
+def has_password(url: str) -> bool:
+    """Whether ``url``'s user info holds a non-empty password (``redis://:secret@host``, ``redis://u:secret@h``)."""
+    _, sep, rest = url.partition("://")
+    userinfo, at, _ = rest.rpartition("@")
+    return bool(sep and at and userinfo.partition(":")[2])
+
+
 def check_redis_url(raw_url: str, path: str) -> bool:
     """Validate a Redis URL; return whether it names a cluster (``redis+cluster://h:p,h:p``). Error messages
     show the URL with its password redacted."""

@@ -5,11 +5,12 @@
 * redis: connect with the configured credentials, TLS and timeouts and PING (a cluster: CLUSTER INFO must say
   ``cluster_state:ok`` and every node must answer PING), reporting the round-trip time;
 * gpu: the device exists (``torch`` is imported only here, and only when a gpu tier is configured);
-* capacities against the host (``kvtier.probe_host``): memory tiers against RAM and GPU memory, disk quotas
-  against the free space of their file system, a Redis tier against the server's ``maxmemory``.
+* capacities against the host (``kvtier.probe_host``): memory tiers reserved as at start, then against RAM and
+  GPU memory, disk quotas against the free space of their file system, a Redis tier against the server's
+  ``maxmemory``.
 
 Each probe gives :class:`Finding`\\ s: ``ok``, ``warn`` (the config would take more than the host has; kvtier
-still runs) or ``fail`` (the tier cannot work here), each naming the config key to look at.
+still starts) or ``fail`` (the tier cannot start or work here), each naming the config key to look at.
 """
 
 from __future__ import annotations

@@ -1,20 +1,27 @@
 """The host half of ``kvtier check --probe``: gpu devices, and capacities against RAM, GPU memory and free disk.
 
-Memory tiers (cpu, and gpu tiers on ``device: cpu``) are compared with ``MemAvailable`` of ``/proc/meminfo``,
-gpu tiers with the free memory of their device, disk quotas (summed per file system) with the space free to
-this user there (``os.statvfs``). Taking more than the host has is a warning: kvtier runs, but a memory pool
-that big fails to allocate or pushes the host into swap, and a disk tier fills its file system before its quota.
+Memory tiers (cpu, and gpu tiers on ``device: cpu``) reserve their address space here the way they do at start
+(a private anonymous mapping each, all held at once, never written, then released): a reservation the host
+refuses is a failure, the tier would not start. Then they are compared with ``MemAvailable`` of
+``/proc/meminfo``: pinned (page-locked) cpu tiers are allocated whole at start, so more than that fails too;
+pageable ones are backed as they fill, so more than that is a warning (the host swaps or runs out later). Gpu
+tiers are allocated whole on their device: more than its free memory fails. Disk quotas (summed per file system)
+are compared with the space free to this user there (``os.statvfs``): more is a warning, a disk tier then fills
+its file system before its quota.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.config import DiskTierConfig, GpuTierConfig, KvtierConfig, TierConfig, TierKind
+from kvtier.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, KvtierConfig, TierConfig, TierKind
 from kvtier.config_parse import format_size
 from kvtier.probe import FAIL, OK, WARN, Finding
+
+HUGE_PAGE = 2 << 20  # the slack a pageable pool maps beyond its capacity (kvtier.tiers.memory.arena.HUGE_PAGE)
 
 
 def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
@@ -56,18 +63,60 @@ def host_capacity(cfg: KvtierConfig) -> list[Finding]:
     return findings
 
 
+def reserve(sizes: Sequence[int]) -> tuple[int, OSError] | None:
+    """Reserve ``sizes`` bytes of address space at once, as pageable memory tiers do at start (nothing written,
+    nothing made resident), then release them; the index of the first the host refuses, and why, or None."""
+    held: list[mmap.mmap] = []
+    try:
+        for i, size in enumerate(sizes):
+            try:
+                held.append(mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+            except (OSError, OverflowError) as exc:
+                return i, exc if isinstance(exc, OSError) else OSError(str(exc))
+        return None
+    finally:
+        for m in held:
+            m.close()
+
+
 def _ram(tiers: Sequence[tuple[int, TierConfig]]) -> Finding:
     info = meminfo()
     want = sum(t.capacity for _, t in tiers)
     key, name = _keys(tiers), _names(tiers)
+    have = (f"{format_size(info['MemAvailable'])} available of {format_size(info.get('MemTotal', 0))}, "
+            f"swap {format_size(info.get('SwapTotal', 0))}") if "MemAvailable" in info else "RAM unknown"
+    refused = reserve([t.capacity for _, t in tiers])
+    if refused is not None:
+        i, t = tiers[refused[0]]
+        return Finding(f"tiers[{i}].capacity", t.name, FAIL, f"this host refuses to reserve "
+                       f"{format_size(t.capacity)} for tier {t.name!r} ({refused[1].strerror or refused[1]}; "
+                       f"{have}): the tier would not start; lower the capacity")
     if "MemAvailable" not in info:
         return Finding(key, name, WARN, "cannot read /proc/meminfo: memory capacity not checked")
-    avail, total = info["MemAvailable"], info.get("MemTotal", info["MemAvailable"])
-    have = f"{format_size(avail)} available of {format_size(total)}"
-    if want > avail:
-        return Finding(key, name, WARN, f"memory tiers take {format_size(want)}, more than this host's RAM "
-                       f"({have}); lower the capacity")
-    return Finding(key, name, OK, f"memory tiers take {format_size(want)} of RAM ({have})")
+    avail = info["MemAvailable"]
+    if want <= avail:
+        return Finding(key, name, OK, f"memory tiers take {format_size(want)} of RAM ({have})")
+    pinned = _pinned(tiers)
+    if sum(t.capacity for _, t in pinned) > avail:
+        return Finding(_keys(pinned), _names(pinned), FAIL, f"pinned cpu tiers take "
+                       f"{format_size(sum(t.capacity for _, t in pinned))}, allocated whole at start: more than "
+                       f"this host's RAM ({have}), the tier would not start; lower the capacity or set pin_memory: "
+                       f"false")
+    return Finding(key, name, WARN, f"memory tiers take {format_size(want)}, more than this host's RAM ({have}); "
+                   f"they start (memory is used as they fill) but the host swaps or runs out: lower the capacity")
+
+
+def _pinned(tiers: Sequence[tuple[int, TierConfig]]) -> list[tuple[int, TierConfig]]:
+    """The cpu tiers that pin their memory here (pin_memory true or unset, and CUDA present: torch decides)."""
+    maybe: list[tuple[int, TierConfig]] = [(i, t) for i, t in tiers
+                                           if isinstance(t, CpuTierConfig) and t.pin_memory is not False]
+    if not maybe:
+        return []
+    try:
+        import torch
+    except ImportError:
+        return []
+    return maybe if torch.cuda.is_available() else []
 
 
 def _existing(path: Path) -> Path:
@@ -138,7 +187,7 @@ def _gpu_memory(index: int, tiers: Sequence[tuple[str, GpuTierConfig]]) -> Findi
     key = " + ".join(f"{p}.capacity" for p, _ in tiers)
     name = ", ".join(t.name for _, t in tiers)
     have = f"{format_size(free)} free of {format_size(total)} on cuda:{index}"
-    if want > free:
-        return Finding(key, name, WARN, f"gpu tiers take {format_size(want)}, more than the device has free "
-                       f"({have}); lower the capacity")
+    if want > free:  # allocated whole at start
+        return Finding(key, name, FAIL, f"gpu tiers take {format_size(want)}, more than the device has free "
+                       f"({have}): the tier would not start; lower the capacity")
     return Finding(key, name, OK, f"gpu tiers take {format_size(want)} ({have})")

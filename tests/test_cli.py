@@ -52,6 +52,17 @@ def test_check_default_config(default_report: subprocess.CompletedProcess[str]) 
     assert default_report.stderr == ""
 
 
+def test_a_partial_model_shape_says_which_fields_came_from_the_default() -> None:
+    """--model-shape layers=32 takes the rest from Llama-3.1-8B: one line on stderr says so; none when all the
+    fields that size a token are given."""
+    proc = run_kvtier("check", "configs/default.yaml", "--model-shape", "layers=32")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ("kvtier check: --model-shape: kv_heads=8, head_size=128, dtype=bfloat16 from the default "
+                           "shape llama-3.1-8b (give them to change them)\n")
+    full = run_kvtier("check", "configs/default.yaml", "--model-shape", "layers=2,kv_heads=1,head_size=64,dtype=fp16")
+    assert full.returncode == 0 and full.stderr == ""
+
+
 def test_check_json_with_model_shape() -> None:
     proc = run_kvtier("check", "configs/hybrid.yaml", "--json",
                       "--model-shape", "layers=28,kv_heads=4,head_size=128,dtype=float16")

@@ -113,6 +113,41 @@ def test_inspect_lists_and_verifies(tmp_path: Path, cache: Path, capsys: pytest.
     assert rc == 1 and "is in no tier" in out
 
 
+def _corrupt(cache: Path, ns: bytes, i: int) -> None:
+    [path] = (cache / ns.hex()).rglob(f"{key(ns, i).hex()}.kvt")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_inspect_verifies_many_keys_in_one_call(tmp_path: Path, cache: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """--key takes as many keys as wanted (one pass, one config load), and says which failed or are missing."""
+    cfg = config(tmp_path)
+    good = [key(NS_A, i).hex() for i in range(3)] + [key(NS_B, i).hex() for i in range(4)]
+    rc, out, _ = kvtier(capsys, "inspect", "--config", cfg, "--key", *good)
+    assert rc == 0 and out.count("check ok") == 7 and "7 keys: 7 ok, 0 failed verification, 0 in no tier" in out
+    _corrupt(cache, NS_A, 1)
+    missing = key(NS_A, 99).hex()
+    rc, out, _ = kvtier(capsys, "inspect", "--config", cfg, "--key", *good[:2], "--key", missing, "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["ok"] is False and doc["missing"] == [missing]
+    assert [c["check"].split(":")[0] for c in doc["tiers"]] == ["ok", "FAILED"]
+
+
+def test_inspect_namespace_verify_checks_every_record(tmp_path: Path, cache: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = config(tmp_path)
+    rc, out, _ = kvtier(capsys, "inspect", "--config", cfg, "--namespace", NS_B.hex(), "--limit", "1", "--verify")
+    assert rc == 0 and "verified 4 records: all ok" in out
+    _corrupt(cache, NS_B, 2)
+    rc, out, _ = kvtier(capsys, "inspect", "--config", cfg, "--namespace", NS_B.hex(), "--verify", "--json")
+    [block] = json.loads(out)["tiers"]
+    assert rc == 1 and block["verified"] == 4 and [f["key"] for f in block["failed"]] == [key(NS_B, 2).hex()]
+    rc, _, err = kvtier(capsys, "inspect", "--config", cfg, "--key", key(NS_A, 0).hex(), "--verify")
+    assert rc == 2 and err.startswith("kvtier: error: --verify: verifies the records of a --namespace")
+
+
 def test_purge_by_model_dry_run_and_age(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = config(tmp_path)
     rc, out, _ = kvtier(capsys, "purge", "--config", cfg, "--model", "model-a", "--dry-run")

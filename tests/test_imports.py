@@ -79,3 +79,23 @@ def test_kvtier_check_runs_without_torch(tmp_path: Path) -> None:
     assert json.loads(done.stderr.strip().splitlines()[-1]) == {"rc": 0, "loaded": []}
     report = json.loads(done.stdout)
     assert report["ok"] and report["tiers"][0]["chunks"] == (1 << 30) // (256 * 131072)  # Llama-3.1-8B: 128 KiB/token
+
+
+BENCH_HELP = """
+import contextlib, io, json, sys
+from kvtier.bench.cli import BENCHMARKS
+from kvtier.cli import main
+
+codes = {}
+for name in BENCHMARKS:
+    with contextlib.redirect_stdout(io.StringIO()):
+        codes[name] = main(["bench", name, "--help"])
+print(json.dumps({"codes": codes, "loaded": [m for m in ("torch", "vllm") if m in sys.modules]}))
+"""
+
+
+def test_bench_help_of_every_benchmark_loads_no_torch() -> None:
+    """``kvtier bench NAME --help`` parses its options before any torch or vllm import: it answers at once."""
+    result = _loaded_after(BENCH_HELP)
+    assert result["loaded"] == []
+    assert set(result["codes"].values()) == {0}, result["codes"]  # type: ignore[union-attr]

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier import cli
+from kvtier import cli, probe_host
 from kvtier.bench.redis_servers import RedisClusterServers, TlsFiles, free_port
 from kvtier.probe import FAIL, OK, WARN, probe_disk
 from kvtier.probe_host import meminfo
 
-SHAPE = "layers=1,kv_heads=1,head_size=8"  # 512-byte chunks: tiny tiers are valid
+SHAPE = "layers=1,kv_heads=1,head_size=8,dtype=bfloat16"  # 512-byte chunks: tiny tiers are valid
 
 
 def write_config(tmp_path: Path, *tiers: dict[str, Any]) -> str:
@@ -180,15 +180,46 @@ def test_tls_uses_the_configured_certificates(tmp_path: Path, redis_factory: Any
     assert rc == 1 and len(err) == 1 and err[0].startswith("kvtier: error: tiers[0].url: ")
 
 
-def test_a_cpu_tier_bigger_than_ram_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_cpu_tier_bigger_than_ram_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above MemAvailable, with the address space reserved (pageable memory, backed as it fills): a warning."""
     if "MemAvailable" not in meminfo():
         pytest.skip("no /proc/meminfo")
+    monkeypatch.setattr(probe_host, "reserve", lambda sizes: None)
+    monkeypatch.setattr(probe_host, "_pinned", lambda tiers: [])
     rc, rep, err = probe_json(capsys, write_config(tmp_path, {"name": "cpu", "kind": "cpu", "capacity": "10TiB"}))
     assert rc == 0 and rep["ok"] is True and err == []  # a warning, not a failure
     found = by_path(rep)["tiers[0].capacity"]
     assert found["level"] == WARN and "more than this host's RAM" in found["message"]
+    monkeypatch.undo()
     rc, rep, _ = probe_json(capsys, write_config(tmp_path, {"name": "cpu", "kind": "cpu", "capacity": "1MiB"}))
     assert by_path(rep)["tiers[0].capacity"]["level"] == OK
+
+
+def test_a_cpu_tier_the_host_cannot_reserve_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The probe reserves the pool's address space as the tier does at start: refused, the tier would not start
+    (kvtier demo: "cannot reserve"), so the probe fails with exit code 1 instead of warning."""
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1":
+        pytest.skip("this host reserves any size (vm.overcommit_memory=1)")
+    config = write_config(tmp_path, {"name": "cpu", "kind": "cpu", "capacity": "1MiB"},
+                          {"name": "big", "kind": "cpu", "capacity": "10TiB", "pin_memory": False})
+    rc, rep, err = probe_json(capsys, config)
+    assert rc == 1 and rep["ok"] is False
+    assert len(err) == 1 and err[0].startswith("kvtier: error: tiers[1].capacity: this host refuses to reserve "
+                                               "10 TiB for tier 'big'"), err
+    assert "the tier would not start; lower the capacity" in err[0]
+
+
+def test_pinned_cpu_tiers_past_ram_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned memory is allocated whole at start: past MemAvailable the tier would not start."""
+    if "MemAvailable" not in meminfo():
+        pytest.skip("no /proc/meminfo")
+    monkeypatch.setattr(probe_host, "reserve", lambda sizes: None)
+    monkeypatch.setattr(probe_host, "_pinned", lambda tiers: list(tiers))  # as on a CUDA host
+    rc, _, err = probe_json(capsys, write_config(tmp_path, {"name": "cpu", "kind": "cpu", "capacity": "10TiB"}))
+    assert rc == 1 and len(err) == 1 and "pinned cpu tiers take 10 TiB, allocated whole at start" in err[0]
+    assert "set pin_memory: false" in err[0]
 
 
 def test_a_disk_quota_bigger_than_the_free_space_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -233,15 +264,15 @@ def test_a_gpu_tier_on_the_host_counts_as_ram(tmp_path: Path, capsys: pytest.Cap
         assert found["tiers[0].capacity + tiers[1].capacity"]["message"].startswith("memory tiers take 2 MiB")
 
 
-def test_a_gpu_tier_on_a_gpu_host_passes_and_warns_past_its_memory(tmp_path: Path,
+def test_a_gpu_tier_on_a_gpu_host_passes_and_fails_past_its_memory(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     rc, rep, err = probe_json(capsys, write_config(
         tmp_path, {"name": "gpu", "kind": "gpu", "capacity": "100TiB", "device": "cuda:0"}))
-    assert rc == 0 and err == []
+    assert rc == 1 and len(err) == 1  # allocated whole at start: the tier would not start
     found = by_path(rep)
     assert found["tiers[0].device"]["level"] == OK
-    assert found["tiers[0].capacity"]["level"] == WARN and "more than the device has free" in \
+    assert found["tiers[0].capacity"]["level"] == FAIL and "more than the device has free" in \
         found["tiers[0].capacity"]["message"]

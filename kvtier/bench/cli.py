@@ -1,8 +1,8 @@
 """Benchmarks: kvtier bench NAME [options]; kvtier bench NAME --help for each one's options.
 
-Results go to ./benchmarks/results (or --out DIR) as JSON, with a chart where the benchmark draws one; the run
-ends with a line naming the files. The vllm benchmarks need vLLM's CPU build: run them with
-.venv-e2e/bin/python -m kvtier bench ... (made by bash scripts/bootstrap.sh --vllm --e2e).
+Results go to ./benchmarks/results (./kvtier-results with --quick; or --out DIR) as JSON, with a chart where
+the benchmark draws one; the run ends with a line naming the files. The vllm benchmarks need vLLM's CPU build:
+run them with .venv-e2e/bin/python -m kvtier bench ... (made by bash scripts/bootstrap.sh --vllm --e2e).
 """
 
 from __future__ import annotations

@@ -17,12 +17,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from kvtier.bench.args import positive_int
 from kvtier.bench.measure import Spread, format_size, gbps, interleave, save_results, timed
 from kvtier.bench.output import add_output_arguments
-from kvtier.transfer import KVLayout, scatter
 
 HELP = "the copy of a hit into the engine's blocks beside a plain memory copy of the same bytes"
 ORDERS = ("ascending", "descending", "scattered")
@@ -53,6 +50,10 @@ def block_orders(chunks: int, bpc: int, num_blocks: int, seed: int = 5) -> dict[
 def measure(layers_n: int, page_bytes: int, chunks: int, bpc: int, repeats: int) -> dict[str, Any]:
     """Seconds of a plain copy and of the scatter per block order, interleaved; raises AssertionError when a
     scatter wrote other bytes than the records'."""
+    import torch
+
+    from kvtier.transfer import KVLayout, scatter
+
     page = page_bytes // 4
     num_blocks = 2 * chunks * bpc + 2
     layers = [torch.zeros(num_blocks, page) for _ in range(layers_n)]
@@ -87,6 +88,8 @@ def _row(samples: list[float], nbytes: int, plain: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: --help loads no torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     chunks, page_kib, repeats = (4, 16, 3) if args.quick else (args.chunks, args.page_kib, args.repeats)

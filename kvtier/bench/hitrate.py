@@ -1,7 +1,8 @@
 """Hit-rate replay, ``kvtier bench hit-rate``: a workload through kvtier's own directory and policies.
 
 Chunk by chunk, without moving bytes: an hour-long trace replays in seconds. Results: ``hit_rate.json`` (always)
-and its chart in ``--out DIR`` (default ``./benchmarks/results``), or at ``--json FILE`` / ``--plot FILE``.
+and its chart in ``--out DIR`` (default ``./benchmarks/results``; ``./kvtier-results`` with ``--quick``), or at
+``--json FILE`` / ``--plot FILE``.
 
 Semantics: a request hits the longest prefix of its chunks held by any tier (each hit chunk is attributed to
 the tier holding it); then all its chunks are inserted (misses) or touched (hits) in prefix order. New and

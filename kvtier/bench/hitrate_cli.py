@@ -3,8 +3,9 @@ the results go.
 
 kvtier bench's table names :mod:`kvtier.bench.hitrate`, whose ``add_arguments`` and ``run`` hand on to this
 module. Results follow :mod:`kvtier.bench.output`, as every benchmark's do: ``hit_rate.json``
-(``hit_rate-quick.json`` with ``--quick``) in ``--out DIR`` (default ``./benchmarks/results``) or at ``--json
-FILE``, always; the chart beside it, or at ``--plot FILE``, unless ``--no-plot``; one ``results:`` line names them.
+(``hit_rate-quick.json`` with ``--quick``) in ``--out DIR`` (default ``./benchmarks/results``; with ``--quick``
+``./kvtier-results``) or at ``--json FILE``, always; the chart beside it, or at ``--plot FILE``, unless
+``--no-plot``; one ``results:`` line names them.
 """
 
 from __future__ import annotations

@@ -24,14 +24,16 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvtier.bench.output import RESULTS_DIR, machine_info, save_results, write_json
 
 __all__ = ["RESULTS_DIR", "Spread", "chunk_views", "copy_all", "drop_page_cache", "format_size", "gbps",
            "interleave", "machine_info", "make_keys", "paired_ratio", "pretouch", "same_bytes", "save_results",
            "timed", "touched", "write_json"]
+
+if TYPE_CHECKING:  # torch is imported where it is used: a benchmark's --help loads none of it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,13 @@ class Spread:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
+def default_device() -> str:
+    """``cuda`` when a CUDA device is available, else ``cpu`` (imports torch)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     """Decimal gigabytes per second."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
@@ -68,6 +77,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def timed(fn: Callable[[], object], device: str | torch.device = "cpu") -> float:
     """Wall seconds one call of ``fn`` takes (waiting for the device's queued work on CUDA)."""
+    import torch
+
     t0 = time.perf_counter()
     fn()
     if torch.device(device).type == "cuda":
@@ -102,12 +113,16 @@ def pretouch(tensor: torch.Tensor) -> torch.Tensor:
 
 def touched(nbytes: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """A new ``uint8`` tensor of ``nbytes`` random bytes (every page written)."""
+    import torch
+
     gen = torch.Generator(device=device).manual_seed(nbytes)
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=gen)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when two tensors hold identical bytes (NaN payloads compare equal, unlike ``torch.equal``)."""
+    import torch
+
     return a.numel() * a.element_size() == b.numel() * b.element_size() and torch.equal(
         a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
         b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
@@ -126,6 +141,8 @@ def drop_page_cache(paths: Sequence[str | os.PathLike[str]]) -> None:
 
 def chunk_views(buf: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
     """Split a flat ``uint8`` buffer into contiguous bf16 chunk payloads."""
+    import torch
+
     return [buf[i:i + chunk_bytes].view(torch.bfloat16) for i in range(0, buf.numel(), chunk_bytes)]
 
 

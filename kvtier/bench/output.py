@@ -1,9 +1,10 @@
 """Where benchmark results go, and how they are written: one place for every benchmark.
 
 A run writes ``<name>.json`` (``<name>-quick.json`` with ``--quick``) into ``--out DIR`` (default
-``./benchmarks/results``, relative to the current directory), or to ``--json FILE``; its chart, where it draws
-one, goes beside the JSON (``--png`` overrides, ``--no-plot`` skips it). The JSON is always written, chart or
-not, and the run ends with one line naming the files: ``results: /abs/dir/name.json, name.png``.
+``./benchmarks/results``, relative to the current directory, where the published full runs live; a ``--quick``
+smoke run goes to ``./kvtier-results`` instead, so that it never lands among them), or to ``--json FILE``; its
+chart, where it draws one, goes beside the JSON (``--png`` overrides, ``--no-plot`` skips it). The JSON is always
+written, chart or not, and the run ends with one line naming the files: ``results: /abs/dir/name.json, name.png``.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from typing import Any
 from kvtier.errors import KvtierError
 
 RESULTS_DIR = Path("benchmarks") / "results"
+QUICK_DIR = Path("kvtier-results")  # --quick without --out: not among the published results
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, name: str, chart: bool = True) -> None:
     """The options ``--out``, ``--json`` and, for a benchmark that draws a chart, ``--png`` and ``--no-plot``."""
     parser.add_argument("--out", type=Path, metavar="DIR",
-                        help=f"directory for the result files (default ./{RESULTS_DIR})")
+                        help=f"directory for the result files (default ./{RESULTS_DIR}; ./{QUICK_DIR} with "
+                             f"--quick)")
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help=f"result file (default DIR/{name}.json, {name}-quick.json with --quick)")
     if chart:
@@ -42,14 +45,20 @@ def json_path(args: Any, benchmark: str) -> Path:
     if explicit:
         return Path(explicit)
     name = f"{benchmark}-quick" if getattr(args, "quick", False) else benchmark
-    return Path(getattr(args, "out", None) or RESULTS_DIR) / f"{name}.json"
+    return results_dir(args) / f"{name}.json"
+
+
+def results_dir(args: Any) -> Path:
+    """``--out``, else ./kvtier-results for a ``--quick`` run, else ./benchmarks/results."""
+    out = getattr(args, "out", None)
+    return Path(out) if out else QUICK_DIR if getattr(args, "quick", False) else RESULTS_DIR
 
 
 def check_writable(args: Any) -> None:
     """Fail before any work when the results cannot be written where the options say (``KvtierError``)."""
     targets = [Path(p).parent for p in (getattr(args, "json", None), getattr(args, "png", None)) if p]
     if not getattr(args, "json", None):
-        targets.append(Path(getattr(args, "out", None) or RESULTS_DIR))
+        targets.append(results_dir(args))
     for target in targets:
         _check_directory(target.absolute())
 

@@ -16,7 +16,7 @@ medium's raw limit on the same bytes:
 Goals: memory tiers and transfer >= 80% of the raw copy, disk and Redis >= 70% of raw. A row below its goal
 says why where it can (``quick``: a ``--quick`` run is too short to judge; ``known``: a cost README explains;
 ``noise``: its best round reached the goal). Results: a table on stdout, JSON and a bar chart in ``--out DIR``
-(default ./benchmarks/results). See :mod:`kvtier.bench.measure` for the method.
+(default ./benchmarks/results; ./kvtier-results with --quick). See :mod:`kvtier.bench.measure` for the method.
 """
 
 from __future__ import annotations
@@ -31,15 +31,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.bench.args import existing_dir, names_from, positive_int, positive_size, positive_sizes
 from kvtier.bench.measure import (
     Spread,
     chunk_views,
     copy_all,
+    default_device,
     format_size,
     gbps,
     interleave,
@@ -52,6 +51,9 @@ from kvtier.bench.measure import (
     touched,
 )
 from kvtier.bench.output import add_output_arguments
+
+if TYPE_CHECKING:  # imported where it is used: --help loads no torch
+    import torch
 
 HELP = "store/load GB/s of each tier beside the raw limit of its medium (same run)"
 T = TypeVar("T")
@@ -73,7 +75,7 @@ class Settings:
     tiers: tuple[str, ...] = ALL_TIERS
     fsync: tuple[bool, ...] = (False, True)
     disk_path: str | None = None
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    device: str | None = None  # of the gpu tier; None: cuda when available, else cpu
     transfer_layers: int = 32
     redis_url: str | None = None
     quick: bool = False  # a smoke run: rows below their goal say so
@@ -173,13 +175,15 @@ class Runner:
 
 def bench_memory(run: Runner, kind: str, chunk_bytes: int) -> None:
     """``put`` / ``get`` / ``get_into`` of a pool tier against per-chunk tensor copies."""
+    import torch
+
     from kvtier.config import CpuTierConfig, GpuTierConfig
     from kvtier.tiers import make_tier
     from kvtier.tiers.memory.pool import PoolTier
 
     s = run.settings
     n = s.chunks(chunk_bytes)
-    device = s.device if kind == "gpu" else "cpu"
+    device = (s.device or default_device()) if kind == "gpu" else "cpu"
     src = chunk_views(touched(n * chunk_bytes, device), chunk_bytes)  # the gpu tier stores device tensors
     dst = chunk_views(pretouch(torch.empty(n * chunk_bytes, dtype=torch.uint8, device=device)), chunk_bytes)
     section = (GpuTierConfig(name=kind, capacity=n * chunk_bytes, device=device) if kind == "gpu"

@@ -25,10 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvtier.bench.args import names_from, positive_int, positive_ints
-from kvtier.bench.measure import Spread, drop_page_cache, save_results
+from kvtier.bench.measure import Spread, default_device, drop_page_cache, save_results
 from kvtier.bench.output import add_output_arguments
 from kvtier.bench.redis_servers import redis_server
 
@@ -46,7 +44,7 @@ class Settings:
     heads: int = 8
     kv_heads: int = 4
     head_size: int = 64
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    device: str | None = None  # of the gpu tier; None: cuda when available, else cpu
 
 
 QUICK = Settings(lengths=(128, 256), repeats=2, layers=2, heads=4, kv_heads=2, head_size=16)
@@ -73,7 +71,7 @@ def tier_section(mode: str, s: Settings, tmp: Path, redis_url: str, capacity: in
     if mode == "cpu":
         return CpuTierConfig(mode, capacity)
     if mode == "gpu":
-        return GpuTierConfig(mode, capacity, device=s.device)
+        return GpuTierConfig(mode, capacity, device=s.device or default_device())
     if mode in ("disk", "disk_cold"):
         return DiskTierConfig(mode, capacity, path=str(tmp / mode))
     if mode == "redis":

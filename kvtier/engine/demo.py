@@ -95,6 +95,9 @@ def _config(args: argparse.Namespace, stack: ExitStack) -> tuple[KvtierConfig, l
     --persist (under DIR with --persist DIR); and the overrides applied, in words."""
     cfg = load_config(args.config, overrides={"chunk_size": args.chunk_size})
     applied = [f"chunk_size {cfg.chunk_size} (--chunk-size)"]
+    if cfg.namespace.model != "default":  # records are labelled with the model that ran: the tiny one
+        applied.append(f"namespace.model: the reference engine's tiny model, not {cfg.namespace.model!r}")
+        cfg = dataclasses.replace(cfg, namespace=dataclasses.replace(cfg.namespace, model="default"))
     memory = args.memory_capacity if args.memory_capacity is not None else (None if args.config else 1024**2)
     if memory is not None:
         tiers = tuple(dataclasses.replace(t, capacity=memory) if t.kind in (TierKind.CPU, TierKind.GPU) else t
@@ -158,6 +161,7 @@ def _demo(args: argparse.Namespace, cfg: KvtierConfig, applied: list[str]) -> in
     model = ModelConfig(sliding_window=window, dtype=args.dtype,
                         max_model_len=max(1024, -(-spec.max_prompt_len() // 128) * 128))
     engine_args = EngineArgs(model=model, num_blocks=_blocks_needed(spec, args.users), max_num_seqs=args.users)
+    _check_fit(cfg, engine_args)
     tiers = ", ".join(f"{t.name} ({t.kind}, {format_size(t.capacity)})" for t in cfg.tiers)
     print(f"{PROG}: {args.users} users x {args.turns} turns, tiny {model.num_layers}-layer model "
           f"({'hybrid, window ' + str(window) if window else 'full attention'}, {model.dtype}), "
@@ -168,6 +172,15 @@ def _demo(args: argparse.Namespace, cfg: KvtierConfig, applied: list[str]) -> in
     same = _same_outputs(base.requests, cached.requests)
     _report(base, cached, cfg, same)
     return 0 if same else 1
+
+
+def _check_fit(cfg: KvtierConfig, engine_args: EngineArgs) -> None:
+    """Refuse, as kvtier check does, a config the engine's KV layout cannot use (a chunk size that is not a
+    multiple of the block size): the connector would disable itself and the demo compare nothing."""
+    from kvtier.engine.kv_cache import build_kv_cache_config
+    from kvtier.fit import check_fit
+
+    check_fit(cfg, build_kv_cache_config(engine_args.model, engine_args.block_size, engine_args.num_blocks))
 
 
 def _cached_engine(engine_args: EngineArgs, cfg: KvtierConfig) -> Engine:

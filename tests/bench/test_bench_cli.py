@@ -134,12 +134,17 @@ def test_a_bad_number_is_one_line_from_the_process_too(tmp_path: Path) -> None:
 
 # ---- where results go -------------------------------------------------------------------------------------
 
-def test_results_go_to_benchmarks_results_under_the_current_directory(tmp_path: Path) -> None:
+def test_quick_results_go_to_kvtier_results_under_the_current_directory(tmp_path: Path) -> None:
+    """A --quick smoke run never lands among the published results in ./benchmarks/results (a full run's
+    default): it goes to ./kvtier-results, named on the last line."""
     proc = kvtier("bench", "fingerprint", "--quick", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    path = tmp_path / "benchmarks" / "results" / "fingerprint-quick.json"
+    path = tmp_path / "kvtier-results" / "fingerprint-quick.json"
     assert json.loads(path.read_text())["benchmark"] == "fingerprint"
     assert proc.stdout.splitlines()[-1] == f"results: {path}"
+    assert not (tmp_path / "benchmarks").exists()
+    full = type("Args", (), {"quick": False, "out": None, "json": None})()
+    assert output.json_path(full, "fingerprint") == Path("benchmarks") / "results" / "fingerprint.json"
 
 
 def test_out_names_the_directory_and_the_path_printed_is_absolute(tmp_path: Path) -> None:
@@ -156,7 +161,7 @@ def test_hit_rate_results_go_to_the_current_directory_or_out(tmp_path: Path) -> 
     quick = ("bench", "hit-rate", "--quick", "--workload", "agentic", "--no-progress")
     proc = kvtier(*quick, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    path = tmp_path / "benchmarks" / "results" / "hit_rate-quick.json"
+    path = tmp_path / "kvtier-results" / "hit_rate-quick.json"
     doc = json.loads(path.read_text())
     assert (doc["benchmark"], doc["quick"], doc["requests"]) == ("hit_rate", True, 186)
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -104,3 +105,30 @@ def test_kvtier_demo_command_with_defaults_finishes_quickly(tmp_path: Path) -> N
     assert "tiers: cpu (cpu, 1 MiB), disk (disk, 8 GiB)" in proc.stdout
     assert re.search(r"cpu +[1-9]\d*\.\d%", proc.stdout) and re.search(r"disk +[1-9]\d*\.\d%", proc.stdout)
     assert "it/s" in proc.stderr or "turn/s" in proc.stderr  # the progress bar
+
+
+def test_demo_refuses_a_chunk_size_the_engine_cannot_use(capsys: pytest.CaptureFixture[str]) -> None:
+    """--chunk-size 7 (not a multiple of the block size 16) is refused at start with check's message, exit 2,
+    not run with kvtier disabled."""
+    assert demo.run(_args("--chunk-size", "7", "--no-progress")) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error" in line]
+    assert errors == ["kvtier: error: chunk_size: 7 is not a multiple of the block size 16 of KV-cache "
+                      "group 0 (full_attention) (use a multiple of 16, e.g. 16)"], captured.err
+    assert "without cache" not in captured.out
+
+
+def test_demo_labels_its_records_with_the_model_that_ran(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config naming namespace.model (configs/cpu-disk-redis.yaml: meta-llama/Llama-3.1-8B) does not label the
+    tiny model's records with that name: the manifests name the reference engine's model, and the demo says so."""
+    config = tmp_path / "named.yaml"
+    config.write_text("namespace: {model: meta-llama/Llama-3.1-8B}\ntiers:\n"
+                      "  - {name: cpu, kind: cpu, capacity: 64KiB}\n"
+                      "  - {name: disk, kind: disk, capacity: 64MiB, path: " + str(tmp_path / "d") + "}\n")
+    args = _args("--config", str(config), "--users", "2", "--turns", "2", "--max-tokens", "3", "--persist",
+                 "--no-progress", "--window", "0")
+    assert demo.run(args) == 0
+    assert "namespace.model: the reference engine's tiny model, not 'meta-llama/Llama-3.1-8B'" in \
+        capsys.readouterr().out
+    models = {json.loads(p.read_text())["model"] for p in (tmp_path / "d").rglob("manifest.json")}
+    assert models and all(m.startswith("kvtier-tiny-") for m in models), models

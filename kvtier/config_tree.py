@@ -113,6 +113,12 @@ class PolicyConfig:
     # saves queued on a worker and not yet written (bytes): a step's saves past it are skipped (counted), so a
     # medium slower than the engine never builds an unbounded queue of held blocks and copies
     save_backlog: int = 256 << 20
+    # write-back chunks only a memory tier holds are copied to the disk tier below it once the engine has computed
+    # nothing for this long (seconds; 0: never while it runs), so that a crash loses only recent ones
+    persist_after_idle: float = 1.0
+    # at a graceful stop (connector shutdown, TieredStore.close), the most time spent copying what is still only
+    # in memory to disk (seconds; 0: none)
+    persist_at_close: float = 4.0
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,17 @@ class Directory:
         with self._lock:
             return key in self._tiers[tier].entries
 
+    def parent(self, tier: str, key: Key) -> Key | None:
+        """The parent ``key`` was stored with in ``tier`` (None: none, or not there)."""
+        with self._lock:
+            entry = self._tiers[tier].entries.get(key)
+            return entry.parent if entry is not None else None
+
+    def ready_keys(self, tier: str) -> list[Key]:
+        """The READY keys of ``tier``, in the order they were stored (a prefix's head before its tail)."""
+        with self._lock:
+            return [k for k, e in self._tiers[tier].entries.items() if e.state is ChunkState.READY]
+
     def used_bytes(self, tier: str) -> int:
         return self._tiers[tier].used
 

@@ -37,9 +37,11 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
+
+from kvtier.geometry import NULL_BLOCK
 
 if TYPE_CHECKING:
     from kvtier.tiers.base import Tier
@@ -168,6 +170,9 @@ class WorkerCounts:
     hits_by_tier: dict[str, int] = field(default_factory=dict)
     load_chunks_by_group: dict[int, int] = field(default_factory=dict)
     hits_by_tier_group: dict[tuple[str, int], int] = field(default_factory=dict)
+    # tokens whose KV a load wrote into the engine's blocks, by tier and group: a chunk's tokens less those of its
+    # blocks the engine already held (null in the load plan: its own prefix cache ended inside the chunk)
+    tokens_by_tier_group: dict[tuple[str, int], int] = field(default_factory=dict)
     load_samples: list[float] = field(default_factory=list)  # seconds of each step's synchronous loads (bounded)
     save_chunks: int = 0
     save_bytes: int = 0
@@ -192,9 +197,13 @@ class WorkerCounters:
         self._step = WorkerCounts()  # since the last ``take``
         self._total = WorkerCounts()  # since start
 
-    def loaded(self, group: int, per_tier: Mapping[str, int], nbytes: int) -> None:
-        """Chunks of ``group`` copied into the engine's blocks, by the tier they were read from."""
+    def loaded(self, group: int, per_tier: Mapping[str, int], nbytes: int,
+               blocks: Sequence[tuple[str, Sequence[int]]] | None = None) -> None:
+        """Chunks of ``group`` copied into the engine's blocks, by the tier they were read from; ``blocks``: each
+        chunk's (tier, block ids), a null id for a block the engine already held (its tokens are not counted as
+        loaded; without ``blocks`` every chunk counts ``chunk_size`` tokens)."""
         chunks = sum(per_tier.values())
+        tokens = self._tokens(per_tier, blocks)
         with self._lock:
             for c in (self._step, self._total):
                 c.load_chunks += chunks
@@ -203,6 +212,19 @@ class WorkerCounters:
                 for tier, n in per_tier.items():
                     c.hits_by_tier[tier] = c.hits_by_tier.get(tier, 0) + n
                     c.hits_by_tier_group[tier, group] = c.hits_by_tier_group.get((tier, group), 0) + n
+                for tier, n in tokens.items():
+                    c.tokens_by_tier_group[tier, group] = c.tokens_by_tier_group.get((tier, group), 0) + n
+
+    def _tokens(self, per_tier: Mapping[str, int], blocks: Sequence[tuple[str, Sequence[int]]] | None
+                ) -> dict[str, int]:
+        """Tokens loaded by tier: ``chunk_size`` per chunk, less the share of its blocks that are null."""
+        if blocks is None:
+            return {tier: n * self.chunk_size for tier, n in per_tier.items()}
+        out: dict[str, int] = {}
+        for tier, ids in blocks:
+            written = sum(1 for b in ids if b != NULL_BLOCK)
+            out[tier] = out.get(tier, 0) + (self.chunk_size * written // len(ids) if ids else 0)
+        return out
 
     def load_failed(self, chunks: int, *, scatter: bool = False) -> None:
         """Chunks not loaded: not read (a miss, a corrupt record, a dead tier) or, ``scatter``, not copied."""
@@ -312,8 +334,11 @@ def worker_numbers(c: WorkerCounts) -> Numbers:
 
 
 def hit_tokens(c: WorkerCounts, chunk_size: int) -> Numbers:
-    """Tokens loaded by tier and group, ``loaded_tokens:<tier>:<group>`` (chunks times ``chunk_size``)."""
-    return {f"loaded_tokens:{tier}:{group}": n * chunk_size for (tier, group), n in c.hits_by_tier_group.items()}
+    """Tokens loaded by tier and group, ``loaded_tokens:<tier>:<group>``: the tokens whose KV a load wrote into the
+    engine's blocks (``WorkerCounters.loaded``: a chunk's ``chunk_size`` tokens less those of blocks the engine
+    already held), what vLLM counts as ``external_kv_transfer`` for the request. (``chunk_size``: unused since
+    the counters hold tokens; kept for callers.)"""
+    return {f"loaded_tokens:{tier}:{group}": n for (tier, group), n in c.tokens_by_tier_group.items()}
 
 
 def tier_gauges(tiers: Mapping[str, Tier], rank: int = 0) -> Numbers:

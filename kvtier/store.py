@@ -1,7 +1,8 @@
 """TieredStore: ordered tiers plus the directory, for callers that hold both planes in one process.
 
 Lifecycle: ``store = TieredStore.from_config(cfg)`` -> ``await store.start()`` (starts the tiers, adopts what
-persistent tiers already hold) -> ``lookup`` / ``get`` / ``put`` -> ``await store.close()``.
+persistent tiers already hold) -> ``lookup`` / ``get`` / ``put`` -> ``await store.close()`` (under write-back
+first copies what only memory tiers hold to disk, within ``policy.persist_at_close``: kvtier.persist).
 
 Control plane: ``self.directory`` (see kvtier.directory). Data plane: ``read`` / ``read_into`` / ``borrow`` +
 ``release`` / ``write`` / ``delete`` / ``move`` / ``execute`` act on tiers without deciding anything; the
@@ -21,6 +22,7 @@ any tier is touched.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from kvtier.directory import Directory, StorePlan
 from kvtier.keys import DIGEST_BYTES, KEY_BYTES, Key
 from kvtier.layout import DTYPE_SIZES, KVCacheConfig
 from kvtier.metrics import snapshot
+from kvtier.persist import persist_memory
 from kvtier.planner import place, promote
 from kvtier.tiers.base import Borrowing, Tier
 
@@ -121,13 +124,19 @@ class TieredStore:
 
     def __init__(self, tiers: Sequence[Tier], directory: Directory | None, *,
                  write: WritePolicy = WritePolicy.WRITE_BACK, promote_on_hit: bool = True,
-                 role: Role = Role.STORE) -> None:
+                 role: Role = Role.STORE, persist_at_close: float = 0.0) -> None:
+        """``persist_at_close``: seconds ``close`` may spend copying what only memory tiers hold to disk
+        (kvtier.persist; with the directory, under write-back)."""
         self._tiers = {t.name: t for t in tiers}
         self._order = [t.name for t in tiers]
         self._directory = directory
         self._role = role
         self.write_policy = write
         self.promote_on_hit = promote_on_hit
+        self.persist_at_close = persist_at_close
+        self._executing = 0  # ``execute`` calls in flight (on the event loop)
+        self._quiet = asyncio.Event()
+        self._quiet.set()
 
     @classmethod
     def from_config(cls, cfg: KvtierConfig, *, hmac_key: bytes | None = None, kcc: KVCacheConfig | None = None,
@@ -137,7 +146,8 @@ class TieredStore:
         cfg = applied(cfg, kcc, rank, tp_size)
         tiers = build_tiers(cfg, hmac_key)
         directory = None if role is Role.WORKER else directory_for(cfg, tiers)
-        return cls(tiers, directory, write=cfg.policy.write, promote_on_hit=cfg.policy.promote_on_hit, role=role)
+        return cls(tiers, directory, write=cfg.policy.write, promote_on_hit=cfg.policy.promote_on_hit, role=role,
+                   persist_at_close=cfg.policy.persist_at_close)
 
     @property
     def completes_writes(self) -> bool:
@@ -162,8 +172,20 @@ class TieredStore:
         await start_tiers([self._tiers[n] for n in self._order], self._role, self._directory)
 
     async def close(self) -> None:
-        """Close every tier (started or not: a tier's close is safe either way); re-raise once."""
+        """Persist what only memory tiers hold (with the directory, under write-back: ``persist``, once), then close
+        every tier (started or not: a tier's close is safe either way); re-raise once."""
+        budget, self.persist_at_close = self.persist_at_close, 0.0
+        if budget > 0 and self._directory is not None and self.write_policy is WritePolicy.WRITE_BACK:
+            try:
+                await self.persist(budget)
+            except Exception:  # a failing disk must not keep the other tiers open
+                logger.exception("persisting the memory tiers at close failed")
         await close_tiers([self._tiers[n] for n in self._order])
+
+    async def persist(self, budget_s: float) -> int:
+        """Copy the chunks only a memory tier holds into the first persistent local tier after it, oldest first,
+        within about ``budget_s`` seconds (kvtier.persist.persist_memory); return how many were copied."""
+        return await persist_memory(self, budget_s)
 
     def stats(self) -> dict[str, float]:
         """Every tier's counters and, when this store holds it, the directory's: one flat snapshot
@@ -336,6 +358,21 @@ class TieredStore:
         every later plan as failed (and adds them to ``failed``) before the cancellation propagates.
         ``skip_writes``: only the plans' evictions run (the directory has already counted their room as free);
         every write and move is completed as not stored (a save the worker chose to drop)."""
+        self._executing += 1
+        self._quiet.clear()
+        try:
+            return await self._execute(plans, payloads, failed, skip_writes)
+        finally:
+            self._executing -= 1
+            if not self._executing:
+                self._quiet.set()
+
+    async def quiet(self) -> None:
+        """Wait until no ``execute`` is in flight (on the store's event loop)."""
+        await self._quiet.wait()
+
+    async def _execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor],
+                       failed: list[tuple[str, Key]] | None, skip_writes: bool) -> dict[str, int]:
         stored: dict[str, int] = {}
         for i, plan in enumerate(plans):
             try:

@@ -19,6 +19,8 @@ from kvtier.keys import Key
 FailedSave = tuple[str, str, Key, str]
 # (request id, tier, key, tensor-parallel rank) of one chunk a worker has written: readable from now on
 StoredSave = tuple[str, str, Key, str]
+# (tier, key, tensor-parallel rank, written) of one record a persisting plan created (kvtier.connector.persisting)
+PersistedCopy = tuple[str, Key, str, bool]
 # (tier, key) of one chunk a worker could not load (a request's asynchronous load reported failed as a whole)
 FailedLoad = tuple[str, Key]
 
@@ -27,20 +29,24 @@ FailedLoad = tuple[str, Key]
 class WorkerReport:
     """Chunks not stored (the scheduler forgets a chunk no rank stored), whether a worker disabled kvtier (it
     cannot read the engine's KV tensors: the scheduler stops planning), chunks that could not be loaded for a
-    request whose load failed as a whole (the scheduler forgets them), and chunks written (the scheduler makes a
-    chunk every rank wrote visible to lookups at once, not when its request ends)."""
+    request whose load failed as a whole (the scheduler forgets them), chunks written (the scheduler makes a
+    chunk every rank wrote visible to lookups at once, not when its request ends), and the records of persisting
+    copies, written or not (kvtier.connector.persist_plans)."""
 
     failed_saves: list[FailedSave] = field(default_factory=list)
     disabled: bool = False
     failed_loads: list[FailedLoad] = field(default_factory=list)
     stored_saves: list[StoredSave] = field(default_factory=list)
+    persisted: list[PersistedCopy] = field(default_factory=list)
 
     def aggregate(self, other: WorkerReport) -> WorkerReport:
         return WorkerReport([*self.failed_saves, *other.failed_saves], self.disabled or other.disabled,
-                            [*self.failed_loads, *other.failed_loads], [*self.stored_saves, *other.stored_saves])
+                            [*self.failed_loads, *other.failed_loads], [*self.stored_saves, *other.stored_saves],
+                            [*self.persisted, *other.persisted])
 
     def __bool__(self) -> bool:
-        return bool(self.failed_saves) or self.disabled or bool(self.failed_loads) or bool(self.stored_saves)
+        return (bool(self.failed_saves) or self.disabled or bool(self.failed_loads) or bool(self.stored_saves)
+                or bool(self.persisted))
 
 
 class ReportBox:

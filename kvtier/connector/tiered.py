@@ -32,8 +32,10 @@ from kvtier.connector.base import (
 from kvtier.connector.capability import prefix_resume_blocker, state_blocker, weights_blocker
 from kvtier.connector.chunk_events import ChunkEvents
 from kvtier.connector.keying import Identity, identity_from, manifests, namespaces
+from kvtier.connector.persist_plans import PersistPlanner, planner_for
+from kvtier.connector.persisting import Persister, persister_for
 from kvtier.connector.plans import KVTierMetadata
-from kvtier.connector.report import WorkerReport
+from kvtier.connector.report import WorkerReport, report_of
 from kvtier.connector.scheduler import SchedulerHalf
 from kvtier.connector.settings import EngineSettings, layout_from_model, read_settings
 from kvtier.directory import Directory
@@ -117,6 +119,8 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         self._sched_deltas = Deltas()
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        self._persist_plans: PersistPlanner | None = None  # copies of memory chunks to disk (kvtier.persist)
+        self._persister: Persister | None = None
         try:
             if is_scheduler(role):
                 self._scheduler = self._build_scheduler(cfg, kcc)
@@ -151,6 +155,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         if self._store is not None:
             tiers = {n: self._store.tier(n) for n in self._store.tier_names}
             self._loop.run(describe_tiers(tiers.values(), mine, self._store.directory))
+            self._persist_plans = planner_for(cfg, kcc, self._store.directory, tiers, reports=False)
             return SchedulerHalf(cfg, kcc, spaces, directory=self._store.directory, tiers=tiers, loop=self._loop,
                                  save_reports=False, blocker=blocker)
         # the scheduler plans with rank 0's keys, so it sees rank 0's disk directory (the other ranks hold the
@@ -160,8 +165,10 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         directory = directory_for(applied_cfg, built)
         self._loop.run(describe_tiers(built, mine))
         self._sched_tiers = self._loop.run(start_tiers(built, Role.SCHEDULER, directory))
-        return SchedulerHalf(cfg, kcc, spaces, directory=directory, tiers={t.name: t for t in built},
-                             loop=self._loop, tp_size=ident.tp_size, blocker=blocker)
+        by_name = {t.name: t for t in built}
+        self._persist_plans = planner_for(cfg, kcc, directory, by_name, tp_size=ident.tp_size)
+        return SchedulerHalf(cfg, kcc, spaces, directory=directory, tiers=by_name, loop=self._loop,
+                             tp_size=ident.tp_size, blocker=blocker)
 
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
         from kvtier.connector.worker import WorkerHalf  # torch: only worker processes import it
@@ -183,6 +190,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         blocker = weights_blocker(ident.fingerprint)
         if blocker is not None:  # this rank cannot key its shards: it serves and stores nothing
             worker.disable(blocker)
+        self._persister = persister_for(cfg, self._store, self._loop, ident, lambda: worker.kcc)
         return worker
 
     def _worker_tp_rank(self) -> int | None:
@@ -206,6 +214,8 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         self._work().start_load_kv(meta if isinstance(meta, KVTierMetadata) else None)
+        if self._persister is not None:  # after the step's loads, before its saves are handed to the I/O loop
+            self._persister.step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work().wait_for_layer_load(layer_name)
@@ -244,7 +254,12 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         return self.stats_type(data=data) if data else None
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
-        return self._worker.report() if self._worker is not None else None
+        report = self._worker.report() if self._worker is not None else None
+        rows = self._persister.take_rows() if self._persister is not None else []
+        if rows:  # the persisting copies written or not (kvtier.connector.persist_plans settles them)
+            report = report or WorkerReport()
+            report.persisted.extend(rows)
+        return report
 
     # ---- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -254,9 +269,12 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        return self._sched().build_connector_meta(scheduler_output)
+        meta = self._sched().build_connector_meta(scheduler_output)
+        return self._persist_plans.attach(meta) if self._persist_plans is not None else meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._persist_plans is not None:
+            self._persist_plans.note(report_of(connector_output))
         self._sched().update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -278,9 +296,12 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
 
     # ---- shutdown --------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Flush pending saves, close what this connector owns; visit everything, re-raise once."""
+        """Flush pending saves, persist what only memory holds (within ``policy.persist_at_close``), close what this
+        connector owns; visit everything, re-raise once."""
         errors: list[BaseException] = []
+        budget, persister = self.kvtier_config.policy.persist_at_close, self._persister
         for name, step in (("worker", self._worker.close if self._worker else None),
+                           ("persisting", (lambda: persister.close(budget)) if persister is not None else None),
                            ("scheduler", self._scheduler.close if self._scheduler else None)):
             if step is None:
                 continue

@@ -1,5 +1,9 @@
 """Saves in flight, on the scheduler side: which chunks each request's workers are writing, what the workers
-reported not stored, and the directory's verdict once a request's saves are done (``finished_sending``)."""
+reported not stored, and the directory's verdict once a request's saves are done (``finished_sending``).
+
+A chunk still being written (``writing``) can be served already: the lookup counts it, and the workers' load waits
+for their own write of it (kvtier.connector.locate, kvtier.connector.saving.SaveQueue.landed). An idle engine runs
+no step, so the report that a write landed may come only with the request that wants it."""
 
 from __future__ import annotations
 
@@ -30,10 +34,26 @@ class InflightSaves:
         self._saving: dict[str, dict[Chunk, None]] = {}
         self._failures: dict[str, dict[Chunk, set[str]]] = {}
         self._stored: dict[str, dict[Chunk, set[str]]] = {}
+        self._writers: dict[Chunk, set[str]] = {}  # the requests writing each chunk, none of whose ranks failed it
 
     def add(self, req_id: str, chunks: Iterable[Chunk]) -> None:
         """The workers are told to write ``chunks`` for ``req_id``."""
+        chunks = list(chunks)
         self._saving.setdefault(req_id, {}).update(dict.fromkeys(chunks))
+        for chunk in chunks:
+            self._writers.setdefault(chunk, set()).add(req_id)
+
+    def writing(self, tier: str, key: Key) -> bool:
+        """Whether the workers are writing ``key`` to ``tier`` for a request and no rank reported it failed (with
+        reports: split halves; in one process the store marks its writes READY itself)."""
+        return self._reports and bool(self._writers.get((tier, key)))
+
+    def _unwrite(self, req_id: str, chunk: Chunk) -> None:
+        writers = self._writers.get(chunk)
+        if writers is not None:
+            writers.discard(req_id)
+            if not writers:
+                del self._writers[chunk]
 
     def pending(self, req_id: str) -> bool:
         """Whether saves of ``req_id`` may still be running on the workers."""
@@ -54,6 +74,7 @@ class InflightSaves:
         for req_id, tier, key, rank in report.failed_saves:
             if req_id in self._saving:
                 self._failures.setdefault(req_id, {}).setdefault((tier, key), set()).add(rank)
+                self._unwrite(req_id, (tier, key))  # forgotten or dropped when the request ends: no more a hit
         ready: dict[str, list[Key]] = {}
         for req_id, tier, key, rank in report.stored_saves:
             saving = self._saving.get(req_id)
@@ -64,6 +85,7 @@ class InflightSaves:
             if len(ranks) >= self._tp_size:
                 del saving[(tier, key)]
                 del self._stored[req_id][(tier, key)]
+                self._unwrite(req_id, (tier, key))
                 ready.setdefault(tier, []).append(key)
         for tier, keys in ready.items():
             self._directory.complete_store(tier, keys, True)
@@ -74,6 +96,7 @@ class InflightSaves:
         saving = self._saving.get(req_id, {})
         for chunk in chunks:
             saving.pop(chunk, None)
+            self._unwrite(req_id, chunk)
             self._stored.get(req_id, {}).pop(chunk, None)
             self._failures.get(req_id, {}).pop(chunk, None)
 
@@ -86,6 +109,7 @@ class InflightSaves:
         done: dict[tuple[str, bool], list[Key]] = {}
         partial: list[Chunk] = []
         for tier, key in self._saving.pop(req_id, {}):
+            self._unwrite(req_id, (tier, key))
             ranks = len(failures.get((tier, key), ()))
             done.setdefault((tier, ranks == 0), []).append(key)
             if 0 < ranks < self._tp_size:

@@ -4,7 +4,9 @@ blocks. Decides nothing.
 Lifecycle, per engine step (``WorkerHalf.start_load_kv`` / ``get_finished``):
     start(loads)      synchronous loads run now, one copy per byte: memory tiers lend pinned views, scattered
                       straight into the blocks; once the device consumed them their release is queued on the
-                      I/O loop (not awaited); asynchronous loads start their reads on the I/O loop
+                      I/O loop (not awaited); asynchronous loads start their reads on the I/O loop, each
+                      after this worker's save job writing its records, if one is queued or running
+                      (``SaveQueue.landed``: the scheduler serves chunks whose writes are still in flight)
     fail(loads)       (kvtier disabled) every planned load fails: the engine recomputes those blocks
     finished()        scatters the asynchronous loads whose reads are done; their requests
     take_errors()     blocks whose chunk could not be read or copied (miss, corrupt, dead tier, bad record)
@@ -37,6 +39,7 @@ from kvtier.tiers.base import Borrowing
 if TYPE_CHECKING:
     import torch
 
+    from kvtier.connector.saving import SaveQueue
     from kvtier.store import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -110,8 +113,10 @@ class LoadPath:
     """Loads of planned chunks into the engine's blocks, synchronous or on the I/O loop."""
 
     def __init__(self, kv: EngineKV, store: TieredStore, loop: LoopThread, counters: WorkerCounters,
-                 report: ReportBox) -> None:
+                 report: ReportBox, writes: SaveQueue | None = None) -> None:
+        """``writes``: this worker's save queue, whose writes an asynchronous read waits for."""
         self._kv = kv
+        self._writes = writes
         self.store = store
         self._loop = loop
         self._counters = counters
@@ -217,8 +222,10 @@ class LoadPath:
                 if self.store.tier(spec.tier).is_memory:
                     values = await self.store.borrow(spec.tier, keys)
                     if not borrowed.add(spec.tier, keys):
+                        # the engine's thread stopped waiting: nobody reads this result (an exception raised here
+                        # would be logged by asyncio as never retrieved, a traceback per stall), so stop quietly
                         await self.store.release(spec.tier, keys)
-                        raise TimeoutError("the engine's thread stopped waiting for this load")
+                        return []
                     out.append(values)
                 else:
                     out.append(await self.store.read(spec.tier, keys))
@@ -232,8 +239,14 @@ class LoadPath:
             await self.store.release(tier, keys)
 
     async def _read_all(self, specs: Sequence[LoadSpec]) -> list[Reads]:
-        reads = [self.store.read(s.tier, [self._kv.key(s.group, k) for k in s.keys]) for s in specs]
-        return list(await asyncio.gather(*reads))
+        return list(await asyncio.gather(*(self._read_landed(s) for s in specs)))
+
+    async def _read_landed(self, spec: LoadSpec) -> Reads:
+        """Read ``spec``'s records once no save job of this worker is still writing them (a failed write: misses)."""
+        keys = [self._kv.key(spec.group, k) for k in spec.keys]
+        if self._writes is not None:
+            await self._writes.landed(spec.tier, keys)
+        return await self.store.read(spec.tier, keys)
 
     def apply(self, specs: Sequence[LoadSpec], results: Sequence[Reads]) -> None:
         """Scatter what was read, one batched scatter per group; blocks of failed chunks become errors.
@@ -261,7 +274,8 @@ class LoadPath:
                 self._counters.load_failed(len(load.blocks), scatter=True)
                 self._failed([(spec, key, ids) for (spec, key), ids in zip(load.chunks, load.blocks, strict=True)])
                 continue
-            self._counters.loaded(group, load.per_tier, load.nbytes)
+            self._counters.loaded(group, load.per_tier, load.nbytes,
+                                  [(spec.tier, ids) for (spec, _), ids in zip(load.chunks, load.blocks, strict=True)])
 
     def _failed(self, chunks: Sequence[tuple[LoadSpec, Key, tuple[int, ...]]]) -> None:
         """Report chunks that could not be loaded: with several KV-cache groups an asynchronous load fails as a

@@ -9,6 +9,8 @@ Lifecycle, per engine step (``SavePath.save``, kvtier.connector.saves):
                     in order behind earlier steps' (an eviction never overtakes an earlier write); a skipped
                     job runs only its evictions, and its chunks are reported not stored; a job done reports
                     what it wrote, so the scheduler can serve those chunks before their request ends
+    landed(tier, keys)  (an asynchronous load, on the I/O loop) waits for the jobs writing any of ``keys`` to
+                    ``tier``: the scheduler plans loads of chunks whose writes it has not heard landed yet
 Each job leaves the backlog when it is done, or when its step's future ends (cancelled after a bounded wait, even
 before it ran). A job still running after ``SAVE_TIMEOUT_S`` is abandoned, and what it had not stored is reported
 so; jobs queued behind it get a bound each, so a stuck medium holds a finished request's blocks for at most
@@ -76,6 +78,7 @@ class SaveQueue:
         self._lock = threading.Lock()  # the backlog grows on the engine's thread and shrinks on the I/O loop
         self._order = asyncio.Lock()
         self.skipped_requests: set[str] = set()  # requests with a skipped save (their later chunks are skipped)
+        self._writes: dict[tuple[str, Key], concurrent.futures.Future[None]] = {}  # (tier, key) -> job writing it
 
     @property
     def backlog(self) -> int:
@@ -114,19 +117,58 @@ class SaveQueue:
         """Run the step's ``jobs`` on ``loop`` after every earlier step's; the future of the whole step. Its bytes
         count in the backlog until each job is done, or until the future ends (cancelled before it ran, too)."""
         tally = [sum(job.nbytes for job in jobs)]
+        ends = [self._claim(job) for job in jobs]
         with self._lock:
             self._backlog += tally[0]
-        future = loop.submit(self._run(jobs, tally))
-        future.add_done_callback(lambda _: self._release(tally, tally[0]))
+        future = loop.submit(self._run(jobs, tally, ends))
+        future.add_done_callback(lambda _: self._step_ended(jobs, tally, ends))
         return future
 
-    async def _run(self, jobs: Sequence[SaveJob], tally: list[int]) -> None:
+    def _step_ended(self, jobs: Sequence[SaveJob], tally: list[int],
+                    ends: Sequence[concurrent.futures.Future[None]]) -> None:
+        """The step's future ended (done, or cancelled even before it ran): what is left leaves the backlog, and
+        no load waits for its jobs any longer."""
+        self._release(tally, tally[0])
+        for job, end in zip(jobs, ends, strict=True):
+            self._end(job, end)
+
+    def _claim(self, job: SaveJob) -> concurrent.futures.Future[None]:
+        """The future that ends with ``job``; loads of the records it writes wait for it (``landed``)."""
+        end: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if job.items is not None:  # a skipped job writes nothing: a read of its keys misses at once
+            with self._lock:
+                self._writes.update(((p.tier, k), end) for p in job.plans for k in p.store)
+        return end
+
+    def _end(self, job: SaveJob, end: concurrent.futures.Future[None]) -> None:
+        """``job`` is done (or will never run): its writes stop being waited for."""
+        with self._lock:
+            for p in job.plans:
+                for k in p.store:
+                    if self._writes.get((p.tier, k)) is end:
+                        del self._writes[(p.tier, k)]
+            if not end.done():  # under the lock: the loop and a cancelling thread may both end it
+                end.set_result(None)
+
+    async def landed(self, tier: str, keys: Sequence[Key]) -> None:
+        """Wait until no save job of this worker is still writing any of ``keys`` to ``tier`` (at once when none
+        is). Whether the write succeeded is for the read to find out: a failed one is a miss."""
+        with self._lock:
+            ends = {id(f): f for f in (self._writes.get((tier, k)) for k in keys) if f is not None}
+        for end in ends.values():  # shielded: a load that gives up must not cancel the job's end for the others
+            await asyncio.shield(asyncio.wrap_future(end))
+
+    async def _run(self, jobs: Sequence[SaveJob], tally: list[int],
+                   ends: Sequence[concurrent.futures.Future[None]]) -> None:
         # A step cancelled before the loop started it (a bounded wait gave up while the loop was busy) still gets
         # one first slice: its cancellation is delivered right after that slice. Yield it before touching a tier.
         await asyncio.sleep(0)
         async with self._order:
-            for job in jobs:
-                await self._execute(job)
+            for job, end in zip(jobs, ends, strict=True):
+                try:
+                    await self._execute(job)
+                finally:
+                    self._end(job, end)
                 self._release(tally, job.nbytes)
 
     def _release(self, tally: list[int], nbytes: int) -> None:

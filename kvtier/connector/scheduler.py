@@ -10,12 +10,12 @@ then from the workers' output:
     request_finished_all_groups(request, ids)  True while the request has saves the workers have not confirmed
 
 Loads from memory tiers are synchronous (done before the forward pass); a request that needs any chunk from
-a slow tier (disk, redis) loads asynchronously and waits for ``finished_recving``.
+a slow tier (disk, redis), or one whose write has not been reported landed yet (kvtier.connector.locate), loads
+asynchronously and waits for ``finished_recving``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,6 +25,8 @@ from kvtier.connector.chunk_events import ChunkEvents
 from kvtier.connector.hits import GroupNeed, best_hit, hit_limit
 from kvtier.connector.inflight import InflightSaves
 from kvtier.connector.keying import RequestKeying, has_prompt_embeds, request_keys
+from kvtier.connector.locate import LOOKUP_TIMEOUT_S as LOOKUP_TIMEOUT_S
+from kvtier.connector.locate import Locator
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec, block_at, chunk_blocks
 from kvtier.connector.recovery import LoadRecovery
 from kvtier.connector.report import WorkerReport, report_of
@@ -44,7 +46,6 @@ from kvtier.tiers.base import Tier
 logger = logging.getLogger(__name__)
 
 SLOW_KINDS = frozenset({TierKind.DISK, TierKind.REDIS})
-LOOKUP_TIMEOUT_S = 0.25
 
 
 class SchedulerHalf:
@@ -61,7 +62,6 @@ class SchedulerHalf:
         self._spaces = list(spaces)
         self._keying = RequestKeying(cfg.namespace.weights)  # cache salt, LoRA adapter, multimodal inputs
         self._tiers = dict(tiers)
-        self._loop = loop
         self._kinds = {t.name: t.kind for t in cfg.tiers}
         self._placement = [tuple(n for n in cfg.tiers_for(g.kind) if n in self._tiers) for g in kcc.kv_cache_groups]
         self._needs = [GroupNeed(g.kind, g.kv_cache_spec.sliding_window
@@ -75,6 +75,7 @@ class SchedulerHalf:
         self._async_pins: dict[str, list[tuple[str, list[Key]]]] = {}
         self._inflight = InflightSaves(directory, tp_size, reports=save_reports)
         self._recovery = LoadRecovery(directory, self._inflight, self._placement)
+        self._locator = Locator(directory, self._inflight, self._placement, self._needs, self._tiers, loop)
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
         # paused (benchmarks time one engine with and without kvtier's work): no lookups hit, no saves planned
@@ -128,55 +129,22 @@ class SchedulerHalf:
         limit = min(len(k) for k in all_keys) if all_keys else 0
         if limit * size <= num_computed_tokens:
             return 0, False
-        locations = [self._locate(g, keys[:limit]) for g, keys in enumerate(all_keys)]
+        located = [self._locator.locate(g, keys[:limit]) for g, keys in enumerate(all_keys)]
+        locations = [loc.tiers for loc in located]
         present = [[loc is not None for loc in locs] for locs in locations]
         chunks = best_hit(self._needs, present, size, limit)
         if chunks * size <= num_computed_tokens:
             return 0, False
-        used = {locations[g][i] for g, need in enumerate(self._needs) for i in need.needed(chunks, size)
-                if (i + 1) * size > num_computed_tokens}
+        used = [(g, i) for g, need in enumerate(self._needs) for i in need.needed(chunks, size)
+                if (i + 1) * size > num_computed_tokens]
         # with several KV-cache groups a load is asynchronous: vLLM takes a failed load only per request then
         # (failed_recving), and copies a recurrent state's hit block into the running block before a synchronous
-        # load could fill it (its preprocess_mamba runs before start_load_kv)
-        is_async = self._several_groups or any(self._kinds.get(t or "") in SLOW_KINDS for t in used)
+        # load could fill it (its preprocess_mamba runs before start_load_kv); a chunk still being written is
+        # read once the worker's write of it landed
+        is_async = self._several_groups or any(self._kinds.get(locations[g][i] or "") in SLOW_KINDS
+                                               or i in located[g].writing for g, i in used)
         self._hits[request.request_id] = Hit(chunks, num_computed_tokens, locations, is_async)
         return chunks * size - num_computed_tokens, is_async
-
-    def _locate(self, group: int, keys: Sequence[Key]) -> list[str | None]:
-        """The fastest tier of the group's placement holding each key (None: nowhere). Without shared tiers, a
-        group that needs a whole prefix (not sliding window, not recurrent state) stops at the first chunk no tier
-        holds: the chunks past it cannot be part of a hit (they stay None)."""
-        out: list[str | None] = [None] * len(keys)
-        placement = self._placement[group]
-        local = [n for n in placement if not self.directory.is_shared(n)]
-        shared = [n for n in placement if self.directory.is_shared(n)]
-        prefix_only = not shared and self._needs[group].kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
-        contains = self.directory.contains
-        for i, key in enumerate(keys):
-            out[i] = next((n for n in local if contains(n, key)), None)
-            if out[i] is None and prefix_only:
-                break
-        for name in shared:
-            missing = [i for i, loc in enumerate(out) if loc is None]
-            if not missing:
-                break
-            for i, ok in zip(missing, self._shared_contains(name, [keys[i] for i in missing]), strict=True):
-                if ok:
-                    out[i] = name
-        return out
-
-    def _shared_contains(self, tier: str, keys: list[Key]) -> list[bool]:
-        if self._loop is None:
-            return [False] * len(keys)
-
-        async def ask() -> list[bool]:
-            return await asyncio.wait_for(self._tiers[tier].contains(keys), LOOKUP_TIMEOUT_S)
-
-        try:
-            return self._loop.run(ask(), timeout=LOOKUP_TIMEOUT_S * 2)
-        except Exception as exc:  # a slow or dead shared tier is a miss, never an engine failure
-            logger.debug("lookup in shared tier %s failed: %r", tier, exc)
-            return [False] * len(keys)
 
     # ---- load plans ------------------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -5,7 +5,8 @@ Lifecycle:
   per step:
     start_load_kv(metadata)               sync loads: borrow views (memory tiers), scatter, release, before
                                           returning;
-                                          async loads: reads start on the I/O loop (loads.py)
+                                          async loads: reads start on the I/O loop (loads.py), after
+                                          this worker's saves of the same records
     handle_preemptions()                  (vLLM: before every step) gathers saves a step left unflushed;
                                           never waits for writes
     wait_for_save()                       gather this step's save chunks (the blocks are free to reuse once
@@ -69,8 +70,8 @@ class WorkerHalf:
         self._tier_deltas = Deltas()
         self._rank = identity.tp_rank if identity is not None else 0
         self._report = ReportBox()
-        self._loads = LoadPath(self._kv, store, loop, self._counters, self._report)
         self._saves = SavePath(self._kv, store, loop, self._counters, self._report, max_backlog)
+        self._loads = LoadPath(self._kv, store, loop, self._counters, self._report, self._saves.queue)
         self._queue = self._saves.queue
 
     @property

@@ -191,9 +191,10 @@ def test_a_save_the_worker_could_not_store_is_forgotten_by_the_scheduler(tmp_pat
 
 @pytest.mark.parametrize("tiers", [("cpu",), ("disk",)])
 def test_a_request_hits_the_chunks_of_one_still_running(tiers: tuple[str, ...], tmp_path: Path) -> None:
-    """A's prefill saves its chunks; A goes on decoding (not finished). B, sent meanwhile, hits them as soon as the
-    worker reports them written: it loads A's KV bit for bit (from the cpu pool: written in A's step; from disk:
-    in the background, reported at a later step), and nothing counts on them before that."""
+    """A's prefill saves its chunks; A goes on decoding (not finished). B, sent meanwhile, hits them as soon as they
+    are planned (the worker's read waits for its write, issue 32), and once the worker reports them written: it
+    loads A's KV bit for bit (from the cpu pool: written in A's step; from disk: in the background, reported at a
+    later step)."""
     cfg = cfg_for(tmp_path, tiers)
     sched = TieredConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
     work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
@@ -204,12 +205,12 @@ def test_a_request_hits_the_chunks_of_one_still_running(tiers: tuple[str, ...], 
         sched.get_num_new_matched_tokens(a, 0)
         sched.update_state_after_alloc(a, KVCacheBlocks(A_BLOCKS), 0)
         meta = sched.build_connector_meta(new_req(a, A_BLOCKS, 0))  # planned, not yet written
-        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)
         work.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
         work.start_load_kv(None)
         work.wait_for_save()
         work.flush_saves()  # A's writes are done; the scheduler has not heard of them yet
-        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * C, True)
         report = work.build_connector_worker_meta()
         work.get_kv_connector_stats()  # this step's counts: not checked here
         work.clear_connector_metadata()

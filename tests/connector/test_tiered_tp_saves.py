@@ -53,8 +53,10 @@ def test_a_chunk_is_served_once_every_rank_reported_it_written(tmp_path: Path) -
             assert {(tier, key) for _, tier, key, _ in report.stored_saves} == planned
             assert {row[3] for row in report.stored_saves} == {str(rank)}
         deliver(sched, reports[0])
-        assert sched.get_num_new_matched_tokens(Request("B", B_TOKENS), 0) == (0, False)  # rank 1 not heard of
+        directory = sched._sched().directory
+        assert not any(directory.contains(tier, key) for tier, key in planned)  # rank 1 not heard of: not READY
         deliver(sched, reports[1])
+        assert all(directory.contains(tier, key) for tier, key in planned)
         assert sched.get_num_new_matched_tokens(Request("B", B_TOKENS), 0) == (4 * C, True)  # A still running
         assert sched._sched()._inflight.planned("A") == []
     finally:

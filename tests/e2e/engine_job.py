@@ -5,7 +5,8 @@
 SPEC (JSON): ``model`` (directory), ``connector`` (null, "kvtier" or "multi": KVTierMultiConnector with kvtier
 and a two-argument legacy child), ``kvtier_config`` (YAML path), ``extra`` (more kv_connector_extra_config),
 ``prefix_caching`` (vLLM's own), ``phases`` (lists of prompts, each list one ``LLM.generate`` call), ``kill``
-(``{"after_phase": i, "pid": p}``: SIGKILL a process between phases), ``max_tokens``, ``dtype``,
+(``{"after_phase": i, "pid": p}``: SIGKILL a process between phases), ``pause_s`` (seconds the engine stays idle
+before each phase after the first), ``max_tokens``, ``dtype``,
 ``attention_backend`` (vLLM's, e.g. "CPU_MLA").
 
 OUT (JSON): per phase and prompt the greedy tokens, their logprobs (exact floats), ``num_cached_tokens``; the
@@ -79,6 +80,8 @@ def run_phases(llm: Any, spec: dict[str, Any]) -> tuple[list[list[dict[str, Any]
     phase_s: list[float] = []
     kill = spec.get("kill")
     for i, prompts in enumerate(spec["phases"]):
+        if i:
+            time.sleep(spec.get("pause_s", 0))
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         phase_s.append(time.perf_counter() - t)

@@ -117,6 +117,10 @@ def worker(spec_path: str, out_path: str) -> None:
         result["unavailable"] = f"{type(exc).__name__}: {exc}"[:500]
         Path(out_path).write_text(json.dumps(result))
         return
+    from kvtier.bench.vllm_inproc import PhaseTimer, medium_alone
+
+    phases = PhaseTimer()
+    phases.install(llm)
     first = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
     many = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
     prompts = spec["prompts"]
@@ -126,13 +130,17 @@ def worker(spec_path: str, out_path: str) -> None:
     def generate(token_lists: list[list[int]], params: Any) -> tuple[float, list[Any]]:
         if reset and not _reset_prefix_cache(llm):
             failed_resets[0] += 1
+        phases.begin()
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_lists], params, use_tqdm=False)
-        return time.perf_counter() - t, outs
+        end[0] = time.perf_counter()
+        return end[0] - t, outs
+
+    end = [0.0]
 
     for length in prompts.values():  # populate: the prefix's chunks are saved (kvtier) or cached (vLLM)
         generate([length["prefix"] + length["suffixes"][0]], first)
-    from kvtier.bench.vllm_proc import flush_kvtier
+    from kvtier.bench.vllm_inproc import flush_kvtier
 
     flush_kvtier()  # saves are written in the background: wait for them where kvtier's worker is in this process
     time.sleep(0.5)
@@ -142,10 +150,14 @@ def worker(spec_path: str, out_path: str) -> None:
     ttft: dict[str, list[float]] = {n: [] for n in prompts}
     cached: dict[str, list[int]] = {n: [] for n in prompts}
     tokens: dict[str, list[int]] = {n: [] for n in prompts}
+    breakdown: dict[str, list[dict[str, Any]]] = {n: [] for n in prompts}
+    reads: dict[str, Any] = {}
     for r in range(1, spec["repeats"] + 1):
         for n, length in prompts.items():
             seconds, outs = generate([length["prefix"] + length["suffixes"][r]], first)
             ttft[n].append(seconds)
+            breakdown[n].append(phases.breakdown(end[0] - seconds, end[0]))
+            reads[n] = phases.reads
             cached[n].append(int(outs[0].num_cached_tokens or 0))
             tokens[n].append(int(outs[0].outputs[0].token_ids[0]))
     throughput: dict[str, float] = {}
@@ -153,8 +165,9 @@ def worker(spec_path: str, out_path: str) -> None:
         batch = [length["prefix"] + s for s in length["batch"]]
         seconds, _ = generate(batch, many)
         throughput[n] = sum(len(p) for p in batch) / seconds
+    alone = {n: medium_alone(reads[n]) for n in prompts if reads.get(n)}  # the same records, outside the steps
     result.update(ttft_s=ttft, cached_tokens=cached, first_tokens=tokens, prompt_tokens_per_s=throughput,
-                  prefix_cache_resets_failed=failed_resets[0])
+                  prefix_cache_resets_failed=failed_resets[0], phases=breakdown, medium_alone=alone)
     Path(out_path).write_text(json.dumps(result))
 
 
@@ -215,9 +228,50 @@ def summarize(results: dict[str, dict[str, Any]], lengths: Sequence[int]) -> dic
                 row["ttft_vs_vllm_prefix"] = median / Spread.of(best).median
             if reference is not None:
                 row["same_first_token_as_none"] = res["first_tokens"][n] == reference
+            row.update(_breakdown(res, n, median, Spread.of(best).median if best else None))
             rows[mode] = row
         table[n] = rows
     return table
+
+
+PHASES = ("lookup", "medium_wait", "copy", "handoff", "compute", "engine")
+
+
+def _breakdown(res: dict[str, Any], n: str, median: float, best: float | None) -> dict[str, Any]:
+    """One mode's median phases of a hit (kvtier.bench.vllm_inproc.PhaseTimer), the medium's own time for the same
+    bytes, and the extra time over vLLM's prefix cache as a multiple of it."""
+    import statistics
+
+    samples = res.get("phases", {}).get(n) or []
+    if not samples:
+        return {}
+    out: dict[str, Any] = {"phases_ms": {k: statistics.median(s[k] for s in samples) * 1e3
+                                         for k in (*PHASES, "medium_s")},
+                           "steps": statistics.median(s["steps"] for s in samples),
+                           "steps_loading": statistics.median(s["steps_loading"] for s in samples)}
+    alone = res.get("medium_alone", {}).get(n)
+    if alone:
+        limit = alone["read_s"] + alone["memcpy_s"]
+        out["medium_alone"] = {"read_ms": alone["read_s"] * 1e3, "memcpy_ms": alone["memcpy_s"] * 1e3,
+                               "bytes": alone["bytes"], "limit_ms": limit * 1e3}
+        if best is not None:
+            out["extra_over_vllm_prefix_ms"] = (median - best) * 1e3
+            out["extra_over_medium"] = (median - best) / limit if limit > 0 else None
+    return out
+
+
+def _print_phases(table: dict[str, Any]) -> None:
+    print(f"\n{'prefix':>7} {'mode':<16} " + " ".join(f"{p:>11}" for p in PHASES)
+          + f" {'read alone':>10} {'memcpy':>7} {'extra':>7} {'/medium':>7} {'steps':>5}   (ms)")
+    for n, rows in table.items():
+        for mode, row in rows.items():
+            if "phases_ms" not in row:
+                continue
+            alone = row.get("medium_alone", {})
+            ratio = row.get("extra_over_medium")
+            print(f"{n:>7} {mode:<16} " + " ".join(f"{row['phases_ms'][p]:11.2f}" for p in PHASES)
+                  + f" {alone.get('read_ms', 0):10.2f} {alone.get('memcpy_ms', 0):7.2f} "
+                  f"{row.get('extra_over_vllm_prefix_ms', 0):7.1f} {ratio or 0:7.2f} {row['steps']:5.0f}")
 
 
 def _print(table: dict[str, Any]) -> None:
@@ -292,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
             results[mode] = _run_mode(mode, {**spec, "kvtier_config": config}, workdir)
     table = summarize(results, lengths)
     _print(table)
+    _print_phases(table)
     settings = {"lengths": lengths, "repeats": repeats, "batch": batch, "chunk_size": chunk,
                 "model": _model_name(args, layers, hidden),
                 "suffix_tokens": SUFFIX, "output_tokens": OUTPUT_TOKENS}

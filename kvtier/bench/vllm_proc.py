@@ -22,15 +22,20 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HOOKS = ("start_load_kv", "wait_for_save", "get_finished", "handle_preemptions", "get_num_new_matched_tokens",
-         "update_state_after_alloc", "build_connector_meta", "update_connector_output", "request_finished",
-         "request_finished_all_groups")
+from kvtier.bench.vllm_inproc import (
+    HookTimer,
+    as_kvtier,
+    flush_kvtier,
+    kvtier_thread_seconds,
+    scheduler_of,
+    worker_connector,
+)
+
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -67,45 +72,11 @@ def kvtier_transfer(config_file: str) -> dict[str, Any]:
             "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config_file}}
 
 
-def kvtier_thread_seconds() -> float:
-    """CPU seconds used so far by this process's kvtier threads (I/O loop, writers)."""
-    total = 0.0
-    for thread in threading.enumerate():
-        if thread.name.startswith("kvtier") and thread.ident is not None:
-            try:
-                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except (OSError, AttributeError):  # the thread just ended; or no such clock on this platform
-                continue
-    return total
-
-
-class HookTimer:
-    """Time the engine's thread spends in kvtier's connector methods (wraps them on the class, in-process)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def install(self, cls: type) -> None:
-        for name in HOOKS:
-            if hasattr(cls, name):
-                setattr(cls, name, self._wrap(getattr(cls, name)))
-
-    def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                if threading.current_thread() is threading.main_thread():
-                    self.seconds += time.perf_counter() - t
-        return timed
-
-
 def _external_tokens(llm: Any) -> list[int]:
     """A one-item list that adds up the tokens the scheduler's connector is asked to load (kvtier's hits), from
     ``update_state_after_alloc`` (requests run one at a time: the caller reads and resets it per request)."""
     seen = [0]
-    connector = getattr(_scheduler(llm), "connector", None)
+    connector = getattr(scheduler_of(llm), "connector", None)
     if connector is None:
         return seen
     original = connector.update_state_after_alloc
@@ -118,41 +89,9 @@ def _external_tokens(llm: Any) -> list[int]:
     return seen
 
 
-def _worker_connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
-
-
-def _kvtier(connector: Any) -> Any:
-    """``connector`` when it is kvtier's (vLLM's KVTierConnector is a TieredConnector), else None."""
-    from kvtier.connector.tiered import TieredConnector
-
-    return connector if isinstance(connector, TieredConnector) else None
-
-
-def flush_kvtier() -> dict[str, Any]:
-    """Wait for kvtier's pending saves; its worker counters since start (the kvtier.metrics snapshot)."""
-    worker = _kvtier(_worker_connector())
-    if worker is None:
-        return {}
-    worker.flush_saves()
-    counters: dict[str, Any] = worker._work().totals()
-    return counters
-
-
-def _scheduler(llm: Any) -> Any:
-    """The engine core's scheduler of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    try:
-        return llm.llm_engine.engine_core.engine_core.scheduler
-    except AttributeError:
-        raise RuntimeError("the benchmark needs vLLM's engine in this process: run with "
-                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size 1") from None
-
-
 def _switch(llm: Any, on: bool) -> bool:
     """Let kvtier's scheduler half plan lookups and saves (``on``) or nothing; False without kvtier."""
-    sched = _kvtier(getattr(_scheduler(llm), "connector", None))
+    sched = as_kvtier(getattr(scheduler_of(llm), "connector", None))
     if sched is None:
         return False
     sched._sched().paused = not on
@@ -162,9 +101,9 @@ def _switch(llm: Any, on: bool) -> bool:
 def _check_kvtier(llm: Any) -> None:
     """With kvtier configured, both of its halves must be reachable from here, or the benchmark's switches,
     flushes and counts would silently do nothing."""
-    if _kvtier(getattr(_scheduler(llm), "connector", None)) is None:
+    if as_kvtier(getattr(scheduler_of(llm), "connector", None)) is None:
         raise RuntimeError("kvtier's scheduler half is not in this process")
-    if _kvtier(_worker_connector()) is None:
+    if as_kvtier(worker_connector()) is None:
         raise RuntimeError("kvtier's worker half is not in this process (tensor parallelism or a separate "
                            "engine core process?)")
 
@@ -188,7 +127,7 @@ def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer, list[floa
     llm = LLM(**kw)
     if spec.get("kvtier_config"):
         _check_kvtier(llm)
-    scheduler = _scheduler(llm)
+    scheduler = scheduler_of(llm)
     engine = llm.llm_engine
     steps: list[float] = []
     first_token = [0.0]
@@ -227,7 +166,7 @@ def serve(spec_path: str) -> None:
             from kvtier.bench.vllm_steps import mixed_batch
 
             mixed = request["mixed"]
-            print(json.dumps(mixed_batch(llm, _scheduler(llm), hooks, mixed["decode"], mixed["decode_tokens"],
+            print(json.dumps(mixed_batch(llm, scheduler_of(llm), hooks, mixed["decode"], mixed["decode_tokens"],
                                          mixed["load"])), flush=True)
             steps.clear()
             continue

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.bench.vllm_proc import HookTimer, kvtier_thread_seconds
+from kvtier.bench.vllm_inproc import HookTimer, kvtier_thread_seconds
 
 STEADY_STEPS = 4  # decode steps of the batch alone before the loading requests are added
 MAX_STEPS = 20_000  # a run that has not ended by then is a hang, not a measurement

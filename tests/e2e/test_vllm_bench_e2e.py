@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import computed_tokens, counts_env, engine_env
@@ -34,10 +35,29 @@ def test_bench_vllm_quick_run_reports_hits_and_same_first_tokens(workdir: Path) 
         assert rows["kvtier_disk"]["cached_tokens"] == int(length)
         assert rows["kvtier_disk"]["same_first_token_as_none"] is True
         assert 0 < rows["kvtier_disk"]["ttft_s"]["min"] <= rows["kvtier_disk"]["ttft_s"]["median"]
-    from kvtier.bench.vllm_engine import SUFFIX
+    from kvtier.bench.vllm_engine import PHASES, SUFFIX
 
     suffix_only = [n for _, n in computed_tokens(counts) if n == SUFFIX]  # TTFT requests: max_tokens=1
     assert len(suffix_only) >= len(table), computed_tokens(counts)
+    _check_breakdown(json.loads(out.read_text())["raw"], PHASES)
+
+
+def _check_breakdown(raw: dict[str, Any], phases: tuple[str, ...]) -> None:
+    """Each request's phases add up to its time to first token; kvtier's copies wrote the whole prefix (twice the
+    bytes for twice the tokens; none's engine copied nothing), and the medium alone read the same bytes."""
+    copied: dict[int, int] = {}
+    for mode, res in raw.items():
+        for length, samples in res["phases"].items():
+            for sample, ttft in zip(samples, res["ttft_s"][length], strict=True):
+                assert sum(sample[p] for p in phases) == pytest.approx(ttft, rel=1e-6), (mode, sample)
+            if mode == "none":
+                assert all(s["bytes"] == 0 and s["copy"] == 0 for s in samples)
+                continue
+            assert {s["bytes"] for s in samples} == {res["medium_alone"][length]["bytes"]}
+            assert all(s["copy"] > 0 and s["medium_s"] > 0 for s in samples)
+            copied[int(length)] = samples[0]["bytes"]
+    small, large = sorted(copied)
+    assert copied[large] * small == copied[small] * large > 0, copied
 
 
 @pytest.mark.timeout(600)  # the engines start in subprocesses; pytest's 300 s default is too tight on a loaded machine

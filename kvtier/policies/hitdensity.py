@@ -62,22 +62,35 @@ class _ClassStats:
         self.exposure = [0.0] * NUM_BINS
         self.values = [1.0 - b / NUM_BINS for b in range(NUM_BINS)]  # LRU-like until data arrives
 
-    def hazard(self) -> list[float | None]:
-        """Chance of a reuse while crossing each bin; None where nothing was observed."""
-        return [min(h / e, 1.0) if e > 0 else None for h, e in zip(self.hits, self.exposure, strict=True)]
 
-    def recompute(self, horizon_bins: int, prior: list[float | None]) -> None:
-        """values[b] = 1 - P(no reuse in bins b .. b + horizon - 1), the prior filling unobserved bins."""
-        keep = [1.0 - (h if h is not None else (p or 0.0)) for h, p in zip(self.hazard(), prior, strict=True)]
-        for b in range(NUM_BINS):
-            stay = 1.0
-            for k in keep[b:b + horizon_bins]:
-                stay *= k
-            self.values[b] = 1.0 - stay
 
-    def decay(self, factor: float) -> None:
-        self.hits = [x * factor for x in self.hits]
-        self.exposure = [x * factor for x in self.exposure]
+def _refreshed(stats: list[_ClassStats], horizon_bins: int, decay: float) -> None:
+    """Every class's values from its reuses and exposure, then both decayed. values[b] = 1 - P(no reuse in bins
+    b .. b + horizon - 1), where a bin's chance of a reuse is reuses over exposure, capped at 1, and a bin the
+    class never saw takes the pooled chance of all classes (0 where none saw it).
+
+    All classes at once, as arrays: a refresh runs on the engine's thread (inside a hit's plan), and the per-bin
+    Python loops took 3.7-4.9 ms of a 2048-token hit in vLLM's CPU engine. Same operations in the same order as
+    those loops, so the values are the same floats."""
+    import numpy as np
+
+    hits = np.array([s.hits for s in stats])
+    exposure = np.array([s.exposure for s in stats])
+    pooled_hits, pooled_exposure = np.zeros(NUM_BINS), np.zeros(NUM_BINS)
+    for h, e in zip(hits, exposure, strict=True):  # row by row, as a running sum over the classes
+        pooled_hits += h
+        pooled_exposure += e
+    with np.errstate(divide="ignore", invalid="ignore"):
+        prior = np.where(pooled_exposure > 0, np.minimum(pooled_hits / pooled_exposure, 1.0), 0.0)
+        hazard = np.where(exposure > 0, np.minimum(hits / exposure, 1.0), prior)
+    keep = np.ones((len(stats), NUM_BINS + horizon_bins))
+    keep[:, :NUM_BINS] = 1.0 - hazard
+    stay = np.ones((len(stats), NUM_BINS))
+    for j in range(horizon_bins):  # the window's product, left to right; past the last bin a factor of 1
+        stay *= keep[:, j:j + NUM_BINS]
+    for s, values, h, e in zip(stats, (1.0 - stay).tolist(), (hits * decay).tolist(), (exposure * decay).tolist(),
+                               strict=True):
+        s.values, s.hits, s.exposure = values, h, e
 
 
 class _Occupancy:
@@ -248,13 +261,7 @@ class PrefixHitDensityPolicy(EvictionPolicy):
             self._old_below = old_bucket << shift
             for occupancy in self.occupancy:
                 occupancy.retire(old_bucket)
-        pooled = _ClassStats()
-        pooled.hits = [sum(col) for col in zip(*(s.hits for s in self.stats), strict=True)]
-        pooled.exposure = [sum(col) for col in zip(*(s.exposure for s in self.stats), strict=True)]
-        prior = pooled.hazard()
-        for stats in self.stats:
-            stats.recompute(self.horizon_bins, prior)
-            stats.decay(self.decay)
+        _refreshed(self.stats, self.horizon_bins, self.decay)
 
     # -- the policy interface ------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvtier.bench import hitrate
 from kvtier.bench.measure import machine_info, write_json
 from kvtier.bench.workloads import GENERATORS, Workload, load_mooncake
-from kvtier.policy import EvictionPolicy, make_policy
+from kvtier.control.policy import EvictionPolicy, make_policy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULTS = ["--sweep", "5,10,20,40%", "--tiers", "5%,10%",

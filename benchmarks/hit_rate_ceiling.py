@@ -131,7 +131,7 @@ def prefix_hd_learning(trace: Path, capacity: int) -> dict[str, float]:
     curves as a prior worth one refresh period that online learning then updates (a perfect warm start)."""
     from kvtier.bench.hitrate import DirectoryStack, replay
     from kvtier.bench.workloads import load_mooncake
-    from kvtier.policies.hitdensity import PrefixHitDensityPolicy
+    from kvtier.control.policies.hitdensity import PrefixHitDensityPolicy
 
     workload = load_mooncake(trace)
 

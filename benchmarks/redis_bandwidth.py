@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))  # kvtier from this checkout
 import torch  # noqa: E402
 
 from benchmarks.script_run import missing, run_checked  # noqa: E402
-from kvtier.cli import KvtierParser, positive_int  # noqa: E402
 from kvtier.config import RedisTierConfig  # noqa: E402
+from kvtier.ops.cli import KvtierParser, positive_int  # noqa: E402
 from kvtier.tiers.redis.tier import RedisTier  # noqa: E402
 
 MIB = 1 << 20

@@ -44,11 +44,11 @@ import torch  # noqa: E402
 from benchmarks.script_run import missing, run_checked  # noqa: E402
 from benchmarks.soak_faults import KINDS, WORKER_KINDS, FaultInjector, WorkerFaults  # noqa: E402
 from benchmarks.soak_halves import StepProbe, Target, inspect, one_store, split_halves, worker_bounds  # noqa: E402
-from kvtier.cli import KvtierParser, non_negative_int, positive_int  # noqa: E402
 from kvtier.config import KvtierConfig, load_config  # noqa: E402
 from kvtier.engine import Engine, EngineArgs, ModelConfig, RequestSpec  # noqa: E402
 from kvtier.engine.harness import RunRecord, run_waves  # noqa: E402
 from kvtier.engine.workload import random_tokens  # noqa: E402
+from kvtier.ops.cli import KvtierParser, non_negative_int, positive_int  # noqa: E402
 
 __all__ = ["ARGS", "KINDS", "SPLIT_SIZES", "WORKER_KINDS", "FaultInjector", "SoakSpec", "make_waves", "run_soak",
            "summary", "verdict"]
@@ -71,7 +71,7 @@ class SoakSpec:
     fault_every: int = 0  # split: a fault within a wave every this many engine steps (0: between waves only)
     stall_seconds: float = 0.25  # split, one group: a stalled borrow blocks the worker's I/O loop this long
     wait_timeout_s: float = 0.05  # split: the worker's wait bound (a synchronous load gives up past it)
-    cancel_grace_s: float = 0.05  # split: kvtier.connector.loads.CANCEL_GRACE_S for the run
+    cancel_grace_s: float = 0.05  # split: kvtier.connector.worker.loads.CANCEL_GRACE_S for the run
 
 
 # the split soak: recent prompts come back (a chunk computed on top of a failed load is hit while still cached), and

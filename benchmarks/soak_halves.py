@@ -23,12 +23,12 @@ from benchmarks.soak_faults import FaultInjector
 from kvtier.config import KvtierConfig
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVTransferConfig
-from kvtier.connector.worker import WorkerHalf
-from kvtier.directory import ChunkState, Directory
+from kvtier.connector.worker.half import WorkerHalf
+from kvtier.control.directory import ChunkState, Directory
 from kvtier.engine import Engine, EngineArgs, KVTierPair
-from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.memory.pool import PoolTier
+from kvtier.tiers.runtime import LoopThread
 
 SETTLE_S = 5.0  # longest wait, past persist_after_idle, for the directory's pending chunks to settle
 
@@ -101,8 +101,8 @@ class StepProbe:
 @contextmanager
 def worker_bounds(target: Target, wait_s: float, grace_s: float) -> Iterator[None]:
     """The worker waits ``wait_s`` for a synchronous load, and a timed-out one ``grace_s`` more to unwind
-    (``kvtier.connector.loads.CANCEL_GRACE_S``); both restored after."""
-    from kvtier.connector import loads
+    (``kvtier.connector.worker.loads.CANCEL_GRACE_S``); both restored after."""
+    from kvtier.connector.worker import loads
 
     worker, wait, grace = target.worker, target.worker.wait_timeout_s, loads.CANCEL_GRACE_S
     worker.wait_timeout_s, loads.CANCEL_GRACE_S = wait_s, grace_s
@@ -115,9 +115,9 @@ def worker_bounds(target: Target, wait_s: float, grace_s: float) -> Iterator[Non
 def residue(target: Target) -> tuple[int, int]:
     """(pinned, pending) chunks left in the directory once the idle engine has persisted its cpu chunks: a copy to
     disk waits, PENDING there, until the engine has computed nothing for ``policy.persist_after_idle``
-    (kvtier.persist), so the count is taken when none is left or that time and ``SETTLE_S`` have passed. With split
-    halves the directory learns that a copy landed from a worker report, which comes with an engine step, and an idle
-    engine runs none: empty steps stand for the next request's."""
+    (kvtier.store.persist), so the count is taken when none is left or that time and ``SETTLE_S`` have passed. With
+    split halves the directory learns that a copy landed from a worker report, which comes with an engine step, and an
+    idle engine runs none: empty steps stand for the next request's."""
     deadline = time.monotonic() + float(getattr(target.cfg.policy, "persist_after_idle", 0.0)) + SETTLE_S
     while True:
         pins = pending = 0

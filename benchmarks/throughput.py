@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtier.cli import main
+from kvtier.ops.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "throughput", *sys.argv[1:]]))

@@ -14,7 +14,7 @@ __all__ = ["ConfigError", "CorruptRecord", "KvtierError", "TieredStore", "__vers
 if TYPE_CHECKING:
     from kvtier.config import load_config
     from kvtier.errors import ConfigError, CorruptRecord, KvtierError
-    from kvtier.store import TieredStore
+    from kvtier.store.tiered import TieredStore
 
 
 def __getattr__(name: str) -> Any:
@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return load_config
     if name == "TieredStore":
-        from kvtier.store import TieredStore
+        from kvtier.store.tiered import TieredStore
 
         return TieredStore
     if name in ("ConfigError", "CorruptRecord", "KvtierError"):

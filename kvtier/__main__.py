@@ -3,8 +3,8 @@
 import sys
 
 try:
-    from kvtier.cli import main
-except KeyboardInterrupt:  # Ctrl-C while kvtier.cli is imported, before main() handles it
+    from kvtier.ops.cli import main
+except KeyboardInterrupt:  # Ctrl-C while kvtier.ops.cli is imported, before main() handles it
     print("kvtier: interrupted", file=sys.stderr)
     sys.exit(130)
 

@@ -16,13 +16,13 @@ import torch
 from redis_helpers import Make, fresh_prefix, started_tiers
 
 from kvtier.bench.redis_servers import RedisClusterServers, RedisServer
-from kvtier.catalog import InProcess, Selection, open_sources, plan, summarize
-from kvtier.catalog.disk import DiskSource
-from kvtier.catalog.manifest import NO_MANIFEST, describe, redis_name
-from kvtier.catalog.redis import RedisSource
-from kvtier.codec import HEADER_SIZE
 from kvtier.config import DiskTierConfig, RedisTierConfig, load_config
+from kvtier.records.codec import HEADER_SIZE
+from kvtier.tiers.catalog import InProcess, Selection, open_sources, plan, summarize
+from kvtier.tiers.catalog_manifest import NO_MANIFEST, describe, redis_name
+from kvtier.tiers.disk.catalog import DiskSource
 from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.redis.catalog import RedisSource
 from kvtier.tiers.redis.tier import RedisTier
 
 NS_A, NS_B = b"A" * 16, b"B" * 16
@@ -234,7 +234,7 @@ def test_unreachable_redis_is_reported() -> None:
 
 async def test_describe_failure_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     tier = RedisTier(RedisTierConfig(name="redis", capacity=1, url="redis://127.0.0.1:1/0", connect_timeout=0.2))
-    from kvtier.catalog.manifest import publish
+    from kvtier.tiers.catalog_manifest import publish
 
     thread = publish(tier, {NS_A: manifest(NS_A, "m")})
     assert thread is not None

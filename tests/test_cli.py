@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import cli
-from kvtier.cli_check import ModelShape, parse_model_shape
 from kvtier.errors import ConfigError
+from kvtier.ops import cli
+from kvtier.ops.check import ModelShape, parse_model_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 KVTIER = Path(sys.executable).parent / "kvtier"

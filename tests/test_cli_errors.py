@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import cli
+from kvtier.ops import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKUP = re.compile(r"``|:(func|mod|data|class|meth|attr|exc):")
@@ -190,7 +190,7 @@ def test_demo_into_head_exits_quietly(tmp_path: Path) -> None:
 
 def test_help_and_version_import_no_torch() -> None:
     code = ("import sys, contextlib, io\n"
-            "from kvtier import cli\n"
+            "from kvtier.ops import cli\n"
             "for argv in (['--help'], ['--version']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
             "        assert cli.main(argv) == 0\n"
@@ -215,8 +215,8 @@ def test_help_lists_every_subcommand_and_marks_missing_ones(capsys: pytest.Captu
 
 
 def test_module_exists_looks_without_importing() -> None:
-    assert cli.module_exists("kvtier.engine.demo") and cli.module_exists("kvtier.cli_check")
-    assert not cli.module_exists("kvtier.no_such_module") and not cli.module_exists("kvtier.cli_check.inner")
+    assert cli.module_exists("kvtier.ops.demo") and cli.module_exists("kvtier.ops.check")
+    assert not cli.module_exists("kvtier.no_such_module") and not cli.module_exists("kvtier.ops.check.inner")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["check", "--help"], ["bench", "--help"]])
@@ -228,5 +228,5 @@ def test_help_has_no_docs_markup(argv: list[str], capsys: pytest.CaptureFixture[
 
 
 def test_plain_strips_rest_markup() -> None:
-    text = "See :func:`progress_bar`, :py:class:`~kvtier.store.TieredStore` and ``KVTIER_*`` or `--json`."
-    assert cli.plain(text) == "See progress_bar, kvtier.store.TieredStore and KVTIER_* or --json."
+    text = "See :func:`progress_bar`, :py:class:`~kvtier.store.tiered.TieredStore` and ``KVTIER_*`` or `--json`."
+    assert cli.plain(text) == "See progress_bar, kvtier.store.tiered.TieredStore and KVTIER_* or --json."

@@ -1,5 +1,5 @@
 """``kvtier stats``, ``inspect`` and ``purge`` on records written by the real disk and Redis tiers: in process
-through ``kvtier.cli.main`` and as the installed console script."""
+through ``kvtier.ops.cli.main`` and as the installed console script."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 from redis_helpers import fresh_prefix, started_tiers
 from test_catalog import NS_A, NS_B, key, two_models
 
-from kvtier import cli
 from kvtier.bench.redis_servers import RedisServer
-from kvtier.codec import HEADER_SIZE
+from kvtier.ops import cli
+from kvtier.records.codec import HEADER_SIZE
 
 KVTIER = Path(sys.executable).parent / "kvtier"
 RECORD = HEADER_SIZE + 128  # 64 float16
@@ -221,7 +221,7 @@ def test_purge_asks_on_a_terminal(tmp_path: Path, cache: Path, answer: bytes, le
 
 
 # a kvtier command that says on its last stderr line whether torch was imported
-WITHOUT_TORCH = ("import sys\nfrom kvtier import cli\nrc = cli.main(sys.argv[1:])\n"
+WITHOUT_TORCH = ("import sys\nfrom kvtier.ops import cli\nrc = cli.main(sys.argv[1:])\n"
                  "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)\n"
                  "sys.exit(rc)")
 

@@ -10,10 +10,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier import codec
-from kvtier.codec import HEADER_SIZE, MAC_BYTES, decode, decode_header, encode, encode_bytes
 from kvtier.errors import CorruptRecord
 from kvtier.layout import DTYPE_SIZES
+from kvtier.records import codec
+from kvtier.records.codec import HEADER_SIZE, MAC_BYTES, decode, decode_header, encode, encode_bytes
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))

@@ -18,10 +18,10 @@ from kvtier.config import (
     WritePolicy,
     load_config,
 )
-from kvtier.config_parse import format_duration, format_size, parse_duration, parse_size
+from kvtier.config.parse import format_duration, format_size, parse_duration, parse_size
 from kvtier.errors import ConfigError
-from kvtier.fit import check_fit
 from kvtier.layout import GroupKind, simple_config
+from kvtier.records.fit import check_fit
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 GiB = 1024**3

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvtier.config import load_config
-from kvtier.config_layers import NON_CONFIG_VARS
+from kvtier.config.layers import NON_CONFIG_VARS
 
 BASE: dict[str, Any] = {"tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1GiB"}]}
 

@@ -7,8 +7,8 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.directory import Directory, StorePlan, TierSlot
-from kvtier.policy import LRUPolicy, make_policy
+from kvtier.control.directory import Directory, StorePlan, TierSlot
+from kvtier.control.policy import LRUPolicy, make_policy
 
 
 def k(i: int) -> bytes:

@@ -185,7 +185,7 @@ def _commands(block: str) -> Iterator[list[str]]:
 
 def _check_kvtier(argv: list[str]) -> None:
     from kvtier.bench.cli import build_parser as bench_parser
-    from kvtier.cli import SUBCOMMANDS, build_parser
+    from kvtier.ops.cli import SUBCOMMANDS, build_parser
 
     command = next((a for a in argv if not a.startswith("-")), None)
     assert command in SUBCOMMANDS, f"kvtier has no subcommand {command!r}"

@@ -1,15 +1,15 @@
-"""Chunk events (kvtier.events): what the directory records entering and leaving each tier, and the scheduler's
-catalogue that names each chunk in an engine's terms (kvtier.connector.chunk_events)."""
+"""Chunk events (kvtier.control.events): what the directory records entering and leaving each tier, and the scheduler's
+catalogue that names each chunk in an engine's terms (kvtier.connector.scheduler.chunk_events)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvtier.connector.chunk_events import ChunkEvents
-from kvtier.directory import Directory, TierSlot
-from kvtier.events import EventKind, EventLog
+from kvtier.connector.scheduler.chunk_events import ChunkEvents
+from kvtier.control.directory import Directory, TierSlot
+from kvtier.control.events import EventKind, EventLog
+from kvtier.control.policy import make_policy
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from kvtier.policy import make_policy
 
 
 def k(i: int) -> bytes:

@@ -14,8 +14,8 @@ from kvtier.config import load_config
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.settings import read_settings
 from kvtier.errors import ConfigError
-from kvtier.fingerprint import FingerprintError, ModelFacts, fingerprint, hub_commit, weight_files, weights_id
 from kvtier.layout import simple_config
+from kvtier.records.fingerprint import FingerprintError, ModelFacts, fingerprint, hub_commit, weight_files, weights_id
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -148,7 +148,7 @@ def test_the_fingerprint_is_the_same_in_every_process(tmp_path: Path) -> None:
     import sys
 
     model = checkpoint(tmp_path / "m")
-    code = ("import sys; from kvtier.fingerprint import ModelFacts, fingerprint; "
+    code = ("import sys; from kvtier.records.fingerprint import ModelFacts, fingerprint; "
             "print(fingerprint(ModelFacts(sys.argv[1], None, {'s': {'a', 'b', 'c', 'd'}, 'o': object(), "
             "1: 'int key', 'k': {2: 'x', 'y': 3}}, 'float32')))")
     digests = {subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, check=True,

@@ -1,4 +1,4 @@
-"""The fit rule (kvtier.fit.check_fit): chunk_size is a multiple of every group's block size (attention and
+"""The fit rule (kvtier.records.fit.check_fit): chunk_size is a multiple of every group's block size (attention and
 recurrent state), and every tier holds one chunk record of each group placed on it; errors name the key path and
 the fix."""
 
@@ -10,7 +10,6 @@ import pytest
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import ConfigError
-from kvtier.fit import check_fit
 from kvtier.layout import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -19,6 +18,7 @@ from kvtier.layout import (
     SlidingWindowSpec,
     simple_config,
 )
+from kvtier.records.fit import check_fit
 
 
 def config(chunk_size: int = 256, tiers: list[dict[str, Any]] | None = None, **extra: Any) -> KvtierConfig:

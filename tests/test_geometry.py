@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConnectorError
-from kvtier.geometry import (
+from kvtier.layout.geometry import (
     NULL_BLOCK,
     STRIDE_ORDERS,
     KVLayout,

@@ -1,6 +1,6 @@
 """Importing kvtier stays cheap: no torch, redis or vllm until a tier, a transfer or the integration needs them.
 The scheduler half and ``kvtier check`` never need torch: they plan with block ids and shapes only
-(kvtier.geometry)."""
+(kvtier.layout.geometry)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def _loaded_after(code: str) -> dict[str, object]:
 
 def test_import_kvtier_loads_no_heavy_dependency() -> None:
     code = (
-        "import sys, json, kvtier, kvtier.config, kvtier.store, kvtier.directory, kvtier.policy, kvtier.codec, "
-        "kvtier.connector.base, kvtier.connector.factory, kvtier.tiers, kvtier.cli, kvtier.geometry, "
-        "kvtier.layout, kvtier.pages, kvtier.connector.tiered, kvtier.connector.multi, kvtier.connector.settings\n"
+        "import sys, json, kvtier, kvtier.config, kvtier.store.tiered, kvtier.control.directory, kvtier.control.policy, kvtier.records.codec, "
+        "kvtier.connector.base, kvtier.connector.factory, kvtier.tiers, kvtier.ops.cli, kvtier.layout.geometry, "
+        "kvtier.layout, kvtier.layout.pages, kvtier.connector.tiered, kvtier.connector.multi, kvtier.connector.settings\n"
         "kvtier.load_config({'tiers': [{'name': 'cpu', 'kind': 'cpu', 'capacity': '1MiB'}]}, env={})\n"
         f"print(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))"
     )
@@ -34,11 +34,11 @@ import json, sys
 from types import SimpleNamespace as NS
 
 from kvtier.config import load_config
-from kvtier.connector.scheduler import SchedulerHalf
-from kvtier.directory import Directory, TierSlot
-from kvtier.geometry import NULL_BLOCK
+from kvtier.connector.scheduler.half import SchedulerHalf
+from kvtier.control.directory import Directory, TierSlot
+from kvtier.layout.geometry import NULL_BLOCK
 from kvtier.layout import simple_config
-from kvtier.policy import make_policy
+from kvtier.control.policy import make_policy
 
 cfg = load_config({"chunk_size": 32, "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1MiB"}]}, env={})
 kcc = simple_config(2, 1, 8, "float16", block_size=16, num_blocks=8)
@@ -71,7 +71,7 @@ def test_kvtier_check_runs_without_torch(tmp_path: Path) -> None:
     config.write_text("chunk_size: 256\ntiers:\n  - {name: cpu, kind: cpu, capacity: 1GiB}\n")
     code = (
         "import json, sys\n"
-        "from kvtier.cli import main\n"
+        "from kvtier.ops.cli import main\n"
         f"rc = main(['check', {str(config)!r}, '--json', '--no-env'])\n"
         f"print(json.dumps({{'rc': rc, 'loaded': [m for m in {HEAVY!r} if m in sys.modules]}}), file=sys.stderr)"
     )
@@ -84,7 +84,7 @@ def test_kvtier_check_runs_without_torch(tmp_path: Path) -> None:
 BENCH_HELP = """
 import contextlib, io, json, sys
 from kvtier.bench.cli import BENCHMARKS
-from kvtier.cli import main
+from kvtier.ops.cli import main
 
 codes = {}
 for name in BENCHMARKS:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.keys import DIGEST_BYTES, KEY_BYTES, Namespace, chunk_keys, key_hex, key_namespace
+from kvtier.records.keys import DIGEST_BYTES, KEY_BYTES, Namespace, chunk_keys, key_hex, key_namespace
 
 REPO = Path(__file__).resolve().parents[1]
 NS = Namespace(model="m", kv_dtype="bfloat16", group={"kind": "full_attention", "block_size": 16},
@@ -30,7 +30,7 @@ def test_keys_are_deterministic_and_well_formed() -> None:
 def test_same_keys_in_a_subprocess_with_another_hash_seed() -> None:
     code = """
 import json
-from kvtier.keys import Namespace, chunk_keys
+from kvtier.records.keys import Namespace, chunk_keys
 ns = Namespace(model="m", kv_dtype="bfloat16", group={"kind": "full_attention", "block_size": 16},
                layer_names=("l0", "l1"), chunk_size=4)
 print(json.dumps([k.hex() for k in chunk_keys(ns.digest(), list(range(1000, 1010)), 4, extra=b"lora")]))

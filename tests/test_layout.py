@@ -233,7 +233,7 @@ def test_page_packing_joins_the_namespace_and_registered_views_must_follow_it() 
     head size 64 vs 32) never share records, nor with a spec that does not say how it packs; a view that does not
     follow its spec is refused."""
     from kvtier.connector.keying import Identity, group_namespace
-    from kvtier.connector.registration import check_packing
+    from kvtier.connector.worker.registration import check_packing
     from kvtier.errors import ConnectorError
 
     heads_then_kv = FullAttentionSpecPackedV(32, 2, 64, torch.float32, None, 64, 2, 512)

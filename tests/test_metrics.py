@@ -1,4 +1,4 @@
-"""kvtier.metrics: the snapshot's contents and key names, and every event counted exactly once by its owner (the
+"""kvtier.control.metrics: the snapshot's contents and key names, and every event counted exactly once by its owner (the
 worker half's loads and saves, a tier's own operations, the directory's lookups, evictions and demotions)."""
 
 from __future__ import annotations
@@ -8,14 +8,11 @@ from pathlib import Path
 
 import torch
 
-from kvtier.assembly import Role
 from kvtier.config import CpuTierConfig, load_config
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.connector.worker import WorkerHalf
-from kvtier.directory import StorePlan
-from kvtier.keys import Key, Namespace, chunk_keys
-from kvtier.layout import simple_config
-from kvtier.metrics import (
+from kvtier.connector.worker.half import WorkerHalf
+from kvtier.control.directory import StorePlan
+from kvtier.control.metrics import (
     DirectoryStats,
     DiskStats,
     RedisStats,
@@ -26,9 +23,12 @@ from kvtier.metrics import (
     nonzero,
     snapshot,
 )
-from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore
+from kvtier.layout import simple_config
+from kvtier.records.keys import Key, Namespace, chunk_keys
+from kvtier.store.assembly import Role
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.memory.cpu import CpuTier
+from kvtier.tiers.runtime import LoopThread
 
 WORKER_KEYS = {
     "load_chunks", "load_bytes", "load_failures", "load_scatter_failures", "load_seconds", "load_calls",
@@ -188,7 +188,7 @@ def test_the_worker_half_counts_each_load_and_save_once() -> None:
         worker_keys = {k for k in loaded.data if not k.startswith(("tier_", "gauge:", "samples:", "loaded"))}
         assert worker_keys == {"load_chunks", "load_bytes", "hits_cpu", "load_chunks_group0", "load_seconds",
                                "load_calls"}
-        # this step's tier reads and hits by tier and group, for kvtier.prometheus; no level changed
+        # this step's tier reads and hits by tier and group, for kvtier.integrations.prometheus; no level changed
         assert (loaded.data["tier_cpu_get_hits"], loaded.data["loaded:cpu:0"]) == (2, 2)
         assert loaded.data["loaded_tokens:cpu:0"] == 2 * worker._counters.chunk_size
         assert len(loaded.data["samples:load_seconds"]) == 1 and not any(k.startswith("gauge:") for k in loaded.data)
@@ -204,7 +204,7 @@ def test_the_worker_half_counts_each_load_and_save_once() -> None:
 
 
 def test_hit_tokens_and_latency_samples_are_kept_per_step_and_bounded() -> None:
-    from kvtier.metrics import SAMPLES_PER_SPAN, hit_tokens
+    from kvtier.control.metrics import SAMPLES_PER_SPAN, hit_tokens
 
     counters = WorkerCounters(chunk_size=32)
     counters.loaded(0, {"cpu": 3}, 300)
@@ -218,7 +218,7 @@ def test_hit_tokens_and_latency_samples_are_kept_per_step_and_bounded() -> None:
 
 
 def test_deltas_report_counts_as_differences_and_levels_when_they_change() -> None:
-    from kvtier.metrics import Deltas
+    from kvtier.control.metrics import Deltas
 
     deltas = Deltas()
     first = {"tier_cpu_puts": 2, "gauge:used_bytes:cpu:0": 100, "tier_redis_breaker_state": 0}

@@ -1,11 +1,11 @@
-"""The write/placement policy (kvtier.planner): where chunks go, what is refused, what is never written twice."""
+"""The write/placement policy (kvtier.control.planner): where chunks go, what is refused, what is never written twice."""
 
 from __future__ import annotations
 
 from kvtier.config import WritePolicy
-from kvtier.directory import Directory, StorePlan, TierSlot
-from kvtier.planner import place
-from kvtier.policy import make_policy
+from kvtier.control.directory import Directory, StorePlan, TierSlot
+from kvtier.control.planner import place
+from kvtier.control.policy import make_policy
 
 CHAIN = ("cpu", "disk")
 

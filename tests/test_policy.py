@@ -7,8 +7,16 @@ from typing import Any
 
 import pytest
 
-from kvtier.policies.hitdensity import NUM_BINS, NUM_CLASSES, TAIL, PrefixHitDensityPolicy
-from kvtier.policy import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, PrefixLRUPolicy, S3FIFOPolicy, make_policy
+from kvtier.control.policies.hitdensity import NUM_BINS, NUM_CLASSES, TAIL, PrefixHitDensityPolicy
+from kvtier.control.policy import (
+    POLICIES,
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    PrefixLRUPolicy,
+    S3FIFOPolicy,
+    make_policy,
+)
 
 
 def k(i: int) -> bytes:

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier import cli, probe_host
 from kvtier.bench.redis_servers import RedisClusterServers, TlsFiles, free_port
-from kvtier.probe import FAIL, OK, WARN, probe_disk
-from kvtier.probe_host import meminfo
+from kvtier.ops import cli, probe_host
+from kvtier.ops.probe import FAIL, OK, WARN, probe_disk
+from kvtier.ops.probe_host import meminfo
 
 SHAPE = "layers=1,kv_heads=1,head_size=8,dtype=bfloat16"  # 512-byte chunks: tiny tiers are valid
 
@@ -53,7 +53,7 @@ def hook(event, args):
             any(c in str(args[1] or "") for c in "wax+") or int(args[2] or 0) & WRITE):
         seen.append(f"open {args[0]} {args[1]}")
 sys.addaudithook(hook)
-from kvtier import cli
+from kvtier.ops import cli
 rc = cli.main(sys.argv[1:])
 print("AUDIT", repr(seen), file=sys.stderr)
 sys.exit(rc)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.progress import progress_bar
+from kvtier.ops.progress import progress_bar
 
 # As if tqdm and the redis extra were not installed: the demo needs only kvtier's core dependencies.
 WITHOUT_EXTRAS = "import sys\nfor name in ('tqdm', 'redis', 'hiredis'):\n    sys.modules[name] = None\n"
@@ -40,7 +40,7 @@ def test_without_tqdm_the_bar_is_a_no_op(monkeypatch: pytest.MonkeyPatch, capsys
 
 
 def _kvtier_without_extras(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    code = WITHOUT_EXTRAS + "from kvtier.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    code = WITHOUT_EXTRAS + "from kvtier.ops.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}, "KVTIER_CACHE_DIR": str(tmp_path)}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=240,
                           env=env, check=False)

@@ -1,4 +1,4 @@
-"""kvtier.prometheus: the one table of metric names, read from snapshots, and the exporter that serves a
+"""kvtier.integrations.prometheus: the one table of metric names, read from snapshots, and the exporter that serves a
 TieredStore's metrics on a port without vLLM (scraped over HTTP here)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import load_config
-from kvtier.keys import Namespace, chunk_keys
-from kvtier.prometheus import BY_NAME, METRICS, samples, serve_store, totals
-from kvtier.store import TieredStore
+from kvtier.integrations.prometheus import BY_NAME, METRICS, samples, serve_store, totals
+from kvtier.records.keys import Namespace, chunk_keys
+from kvtier.store.tiered import TieredStore
 
 CHUNK = 16
 SHAPE = (2, 2, CHUNK, 2, 8)

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kvtier.runtime import LoopThread
+from kvtier.tiers.runtime import LoopThread
 
 
 def test_io_threads_run_torch_single_threaded_and_the_callers_setting_is_kept() -> None:
@@ -38,7 +38,7 @@ def test_background_threads_run_at_the_lowest_priority_single_threaded() -> None
     import sys
     import threading
 
-    from kvtier.runtime import background_thread
+    from kvtier.tiers.runtime import background_thread
 
     seen: dict[str, int] = {}
 
@@ -69,7 +69,7 @@ def test_background_threads_run_at_the_lowest_priority_single_threaded() -> None
     ({"GOMP_CPU_AFFINITY": "0 x"}, set()),
 ])
 def test_compute_cores_are_read_from_what_vllm_sets_for_its_worker(env: dict[str, str], cores: set[int]) -> None:
-    from kvtier.runtime import compute_cores
+    from kvtier.tiers.runtime import compute_cores
 
     assert compute_cores(env) == cores
 
@@ -78,7 +78,7 @@ CHILD = """
 import asyncio, json, os, threading
 os.sched_setaffinity(0, {0})  # as vLLM's CPU build binds its worker's main thread to its first compute core
 os.environ["OMP_PLACES"] = "{0}"
-from kvtier.runtime import LoopThread, background_thread
+from kvtier.tiers.runtime import LoopThread, background_thread
 loop = LoopThread("test-io")
 async def on_loop():
     return sorted(os.sched_getaffinity(0)), sorted(await asyncio.to_thread(os.sched_getaffinity, 0))

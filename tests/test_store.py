@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvtier.config import CpuTierConfig, KvtierConfig, load_config
-from kvtier.directory import Directory, TierSlot
-from kvtier.keys import Key, Namespace, chunk_keys
-from kvtier.policy import make_policy
-from kvtier.store import TieredStore
+from kvtier.control.directory import Directory, TierSlot
+from kvtier.control.policy import make_policy
+from kvtier.records.keys import Key, Namespace, chunk_keys
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Tier
 from kvtier.tiers.memory.cpu import CpuTier
 

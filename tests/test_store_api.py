@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvtier.config import load_config
-from kvtier.keys import KEY_BYTES, Namespace, chunk_keys
 from kvtier.layout import DTYPE_SIZES
-from kvtier.store import TieredStore
+from kvtier.records.keys import KEY_BYTES, Namespace, chunk_keys
+from kvtier.store.tiered import TieredStore
 
 CHUNK = 16
 KEYS = chunk_keys(Namespace("api").digest(), list(range(CHUNK * 40)), CHUNK)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.geometry import NULL_BLOCK, KVLayout, chunk_payload_shape, detect_layout, payload_shape
-from kvtier.transfer import gather, gathered_shape, scatter
+from kvtier.kvcopy.transfer import gather, gathered_shape, scatter
+from kvtier.layout.geometry import NULL_BLOCK, KVLayout, chunk_payload_shape, detect_layout, payload_shape
 
 NUM_BLOCKS, BS, HEADS, HEAD = 24, 4, 2, 8
 

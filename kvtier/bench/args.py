@@ -1,7 +1,7 @@
-"""Argument types of the benchmarks' command lines, beside those of kvtier.cli (positive_int, positive_size).
+"""Argument types of the benchmarks' command lines, beside those of kvtier.ops.cli (positive_int, positive_size).
 
 Every numeric option that makes no sense at zero or below is read through one of these types, so that a bad
-value is a usage error (one line, exit code 2, from kvtier.cli.KvtierParser) before any work starts.
+value is a usage error (one line, exit code 2, from kvtier.ops.cli.KvtierParser) before any work starts.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
-from kvtier.cli import non_negative_int, positive_int, positive_size
+from kvtier.ops.cli import non_negative_int, positive_int, positive_size
 
 __all__ = ["existing_dir", "existing_path", "key_value", "names_from", "non_negative_float", "non_negative_int",
            "positive_float", "positive_int", "positive_ints", "positive_size", "positive_sizes"]

@@ -11,8 +11,8 @@ import math
 from collections.abc import Container, Hashable, Iterator
 
 from kvtier.bench.workloads import Workload
-from kvtier.keys import Key
-from kvtier.policies.base import EvictionPolicy, LazyHeap
+from kvtier.control.policies.base import EvictionPolicy, LazyHeap
+from kvtier.records.keys import Key
 
 
 def belady_schedule(workload: Workload) -> list[tuple[float, float]]:

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from kvtier.cli import KvtierParser
+from kvtier.ops.cli import KvtierParser
 
 HELP = ("run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-contention, vllm-replay, "
         "serve, fingerprint, copy")

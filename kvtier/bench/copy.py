@@ -1,7 +1,7 @@
 """The copy of a hit into the engine's blocks beside a plain memory copy of the same bytes: ``kvtier bench copy``.
 
 A load from a memory tier scatters borrowed records (payloads ``[L, bpc, page]`` in consecutive pool slots) into a
-group's page layers (``[blocks, page]``, the ``pages`` layout of vLLM >= 0.32) with ``kvtier.transfer.scatter``.
+group's page layers (``[blocks, page]``, the ``pages`` layout of vLLM >= 0.32) with ``kvtier.kvcopy.transfer.scatter``.
 This times that scatter for the block orders an engine hands out (vLLM: fresh blocks ascending, reused ones
 descending, and scattered ones) against the limit, one ``copy_`` of one contiguous buffer of the same bytes, in
 interleaved rounds on the same thread. Defaults are the shape of ``kvtier bench vllm`` at 2048 tokens: 8 layers,
@@ -52,7 +52,7 @@ def measure(layers_n: int, page_bytes: int, chunks: int, bpc: int, repeats: int)
     scatter wrote other bytes than the records'."""
     import torch
 
-    from kvtier.transfer import KVLayout, scatter
+    from kvtier.kvcopy.transfer import KVLayout, scatter
 
     page = page_bytes // 4
     num_blocks = 2 * chunks * bpc + 2
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def main() -> int:
     """``python -m kvtier.bench.copy`` (also ``kvtier bench copy``)."""
     from kvtier.bench.output import check_writable
-    from kvtier.cli import KvtierParser
+    from kvtier.ops.cli import KvtierParser
 
     parser = KvtierParser(prog="python -m kvtier.bench.copy", description=__doc__)
     add_arguments(parser)

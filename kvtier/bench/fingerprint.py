@@ -1,7 +1,7 @@
 """Start-up cost of tying records to the weights: ``kvtier bench fingerprint``.
 
 kvtier fingerprints the model's weights once per engine process at start (``namespace.weights``, see
-:mod:`kvtier.fingerprint`). This benchmark times each mode on a checkpoint (one made here of ``--gib`` GiB of
+:mod:`kvtier.records.fingerprint`). This benchmark times each mode on a checkpoint (one made here of ``--gib`` GiB of
 random bytes in ``--shards`` safetensors-named files, or ``--model DIR``): ``stat`` (a stat per file), and
 ``content`` (a hash of every byte) with the files in the page cache (warm) and evicted from it first with
 ``posix_fadvise(DONTNEED)`` (cold: the disk's read speed). It prints and saves each time beside the limit it is
@@ -22,7 +22,7 @@ from kvtier.bench.args import existing_path, positive_float, positive_int
 from kvtier.bench.measure import Spread, drop_page_cache, save_results
 from kvtier.bench.output import add_output_arguments
 from kvtier.errors import KvtierError
-from kvtier.fingerprint import READ_BYTES, weight_files, weights_id
+from kvtier.records.fingerprint import READ_BYTES, weight_files, weights_id
 
 HELP = "start-up cost of the weights fingerprint (stat, content hash) beside a plain read"
 TARGET_BYTES = 16 * 10**9

@@ -21,12 +21,12 @@ from typing import Any, cast
 
 from kvtier.bench.belady import BeladyPolicy, belady_schedule
 from kvtier.bench.workloads import Workload
-from kvtier.config_tree import PolicyConfig
-from kvtier.directory import Directory, TierSlot
-from kvtier.keys import Key
-from kvtier.metrics import snapshot
-from kvtier.policy import EvictionPolicy, make_policy
-from kvtier.progress import progress_bar
+from kvtier.config.tree import PolicyConfig
+from kvtier.control.directory import Directory, TierSlot
+from kvtier.control.metrics import snapshot
+from kvtier.control.policy import EvictionPolicy, make_policy
+from kvtier.ops.progress import progress_bar
+from kvtier.records.keys import Key
 
 HELP = "token hit rate of each eviction policy on a trace or synthetic workload, beside Belady's"
 
@@ -82,7 +82,7 @@ class ReplayStats:
     requests: int = 0
     hit_requests: int = 0
     tier_tokens: list[int] = field(default_factory=list)
-    counters: dict[str, float] = field(default_factory=dict)  # the directory's (kvtier.metrics snapshot)
+    counters: dict[str, float] = field(default_factory=dict)  # the directory's (kvtier.control.metrics snapshot)
 
     @property
     def hit_rate(self) -> float:

@@ -19,10 +19,10 @@ from kvtier.bench import hitrate
 from kvtier.bench.hitrate import DEFAULT_POLICY, TRACE_SOURCE, SweepSpec, bars, sweep, table
 from kvtier.bench.output import add_output_arguments, save_results
 from kvtier.bench.workloads import GENERATORS, SUITES, Workload, load_mooncake, parse_capacities, suite_workloads
-from kvtier.cli_check import parse_model_shape
-from kvtier.config_parse import parse_size
+from kvtier.config.parse import parse_size
+from kvtier.control.policy import POLICIES
 from kvtier.errors import ConfigError
-from kvtier.policy import POLICIES
+from kvtier.ops.check import parse_model_shape
 
 NAME = "hit_rate"  # the result files: hit_rate.json and hit_rate.png
 QUICK_REQUESTS = 400  # --quick: the first requests of the trace, at 10% only (a few seconds)

@@ -3,7 +3,7 @@
 Every request pays for hashing its prompt into chunk keys and for one directory lookup, even when the cache
 holds nothing useful. This benchmark measures, per prompt length (median over repeats, with spreads):
 
-* ``hash``: ``kvtier.keys.chunk_keys`` of the prompt (a Python list of token ids, as engines hold it):
+* ``hash``: ``kvtier.records.keys.chunk_keys`` of the prompt (a Python list of token ids, as engines hold it):
   microseconds per request and per 1k tokens, tokens/s and GB/s of int32 token ids;
 * ``lookup``: ``Directory.lookup`` against an empty directory and against one holding ``--populated``
   unrelated chunks (cold for this request);
@@ -72,8 +72,8 @@ def scale(spread: Spread, factor: float) -> dict[str, float]:
 
 def directory_with(populated: int) -> Any:
     """A directory of a cpu and a disk tier holding ``populated`` unrelated ready chunks in the disk tier."""
-    from kvtier.directory import Directory, TierSlot
-    from kvtier.policy import make_policy
+    from kvtier.control.directory import Directory, TierSlot
+    from kvtier.control.policy import make_policy
 
     d = Directory([TierSlot("cpu", 1 << 40, make_policy("lru")), TierSlot("disk", 1 << 50, make_policy("lru"))])
     if populated:
@@ -122,7 +122,7 @@ def engine_prefill(lengths: Sequence[int], repeats: int) -> dict[int, Spread]:
 
 def measure(settings: Settings, progress: bool = True) -> list[dict[str, Any]]:
     """Every figure for every prompt length."""
-    from kvtier.keys import Namespace
+    from kvtier.records.keys import Namespace
 
     ns = Namespace(model="bench").digest()
     empty, full = directory_with(0), directory_with(settings.populated)
@@ -145,7 +145,7 @@ def measure_length(s: Settings, length: int, ns: bytes, conn: Any, empty: Any, f
     """Seconds per request of hashing, lookups (empty and populated directory) and the connector's miss,
     interleaved round by round."""
     from kvtier.connector.types import Request
-    from kvtier.keys import chunk_keys
+    from kvtier.records.keys import chunk_keys
 
     inputs = prompts(s.calls, length, seed=length)
     keys = [chunk_keys(ns, p, s.chunk_size) for p in inputs]

@@ -52,7 +52,7 @@ from kvtier.bench.serve_trace import (
     write_rows,
 )
 from kvtier.bench.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, running
-from kvtier.progress import note, progress_bar
+from kvtier.ops.progress import note, progress_bar
 
 HELP = "a trace through vLLM's OpenAI server with concurrent clients: its prefix cache alone vs + kvtier"
 MODES: dict[str, tuple[bool, tuple[str, ...]]] = {  # mode: (vLLM's prefix cache on, kvtier's tiers)

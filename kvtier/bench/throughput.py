@@ -10,7 +10,7 @@ medium's raw limit on the same bytes:
   ``POSIX_FADV_DONTNEED`` before each read);
 * ``redis`` (a private ``redis-server`` on a free loopback port): ``put`` / ``get`` against redis-py pipelined
   SET / GET (hiredis parser);
-* ``transfer``: ``kvtier.transfer.gather`` / ``scatter`` between a paged layout (Llama-3.1-8B shaped layers,
+* ``transfer``: ``kvtier.kvcopy.transfer.gather`` / ``scatter`` between a paged layout (Llama-3.1-8B shaped layers,
   blocks in random order) and chunk payloads, against one contiguous copy of the same bytes.
 
 Goals: memory tiers and transfer >= 80% of the raw copy, disk and Redis >= 70% of raw. A row below its goal

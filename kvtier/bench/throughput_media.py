@@ -351,7 +351,7 @@ def _timed_pipeline(client: Any, commands: list[tuple[Any, ...]]) -> tuple[float
 
 def bench_transfer(run: Runner, chunk_bytes: int) -> None:
     """``gather`` / ``scatter`` between paged Llama-shaped layers and payloads, against a contiguous copy."""
-    from kvtier.transfer import KVLayout, gather, scatter
+    from kvtier.kvcopy.transfer import KVLayout, gather, scatter
 
     s = run.settings
     layers, block, heads, head = s.transfer_layers, 16, 8, 128

@@ -74,7 +74,7 @@ def as_kvtier(connector: Any) -> Any:
 
 
 def flush_kvtier() -> dict[str, Any]:
-    """Wait for kvtier's pending saves; its worker counters since start (the kvtier.metrics snapshot)."""
+    """Wait for kvtier's pending saves; its worker counters since start (the kvtier.control.metrics snapshot)."""
     worker = as_kvtier(worker_connector())
     if worker is None:
         return {}

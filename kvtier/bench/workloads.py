@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config_parse import parse_size
+from kvtier.config.parse import parse_size
 
 MOONCAKE_BLOCK_TOKENS = 512
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.metrics import is_gauge
+from kvtier.control.metrics import is_gauge
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class KVConnectorStats:
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The counts (levels and samples are for Prometheus only: kvtier.prometheus)."""
+        """The counts (levels and samples are for Prometheus only: kvtier.integrations.prometheus)."""
         return {k: v for k, v in self.data.items() if isinstance(v, (int, float)) and not is_gauge(k)}
 
     def is_empty(self) -> bool:

@@ -51,7 +51,7 @@ def state_blocker(engine: EngineSettings, kcc: KVCacheConfig) -> str | None:
 
 
 def weights_blocker(fingerprint: str | None) -> str | None:
-    """Why kvtier must not serve, when the model's weights could not be fingerprinted (kvtier.fingerprint)."""
+    """Why kvtier must not serve, when the model's weights could not be fingerprinted (kvtier.records.fingerprint)."""
     if fingerprint is None:
         return ("kvtier cannot tie records to this model's weights (see the warning above); set namespace.weights: "
                 "off, and namespace.revision to your deployment's version, to cache it")

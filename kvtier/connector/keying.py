@@ -16,10 +16,10 @@ from typing import Any, TypeAlias
 
 from kvtier.config import KvtierConfig
 from kvtier.connector.settings import EngineSettings
-from kvtier.fingerprint import FingerprintError, fingerprint, local_weights, weights_id
-from kvtier.keys import DIGEST_BYTES, Key, Namespace, chunk_keys
 from kvtier.layout import UNSERVED, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from kvtier.manifest import manifest_of
+from kvtier.records.fingerprint import FingerprintError, fingerprint, local_weights, weights_id
+from kvtier.records.keys import DIGEST_BYTES, Key, Namespace, chunk_keys
+from kvtier.tiers.manifest import manifest_of
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ Packable: TypeAlias = "str | int | Sequence[Packable] | None"
 @dataclass(frozen=True)
 class Identity:
     """Who computed the KV: model, revision, tenant, tensor-parallel shard, and the fingerprint of the model's
-    config, dtypes and weights (kvtier.fingerprint; empty when the engine does not describe its model)."""
+    config, dtypes and weights (kvtier.records.fingerprint; empty when the engine does not describe its model)."""
 
     model: str
     revision: str = "main"
@@ -59,8 +59,8 @@ def identity_from(cfg: KvtierConfig, engine: EngineSettings | None = None, tp_ra
 
 
 def model_fingerprint(engine: EngineSettings, mode: str) -> str | None:
-    """The fingerprint of the engine's model (kvtier.fingerprint): "" when the engine does not describe one, None
-    (with a warning) when its weights cannot be found or read."""
+    """The fingerprint of the engine's model (kvtier.records.fingerprint): "" when the engine does not describe one,
+    None (with a warning) when its weights cannot be found or read."""
     try:
         facts = engine.model_facts()
         if facts is None:
@@ -115,7 +115,7 @@ def namespaces(ident: Identity, kcc: KVCacheConfig, chunk_size: int, *, rank: in
 
 def manifests(ident: Identity, kcc: KVCacheConfig, chunk_size: int, *,
               rank: int | None = None) -> dict[bytes, dict[str, Any]]:
-    """Namespace digest -> manifest (kvtier.manifest) of every served group of ``kcc``: what ``Tier.describe``
+    """Namespace digest -> manifest (kvtier.tiers.manifest) of every served group of ``kcc``: what ``Tier.describe``
     takes."""
     out: dict[bytes, dict[str, Any]] = {}
     for g in kcc.kv_cache_groups:
@@ -138,11 +138,11 @@ class RequestKeying:
     every multimodal input (identifier and placeholder position: placeholder tokens alone do not identify an
     image), encoded by ``encode_extra``.
 
-    An adapter is identified as the base weights are under ``weights`` (``namespace.weights``, kvtier.fingerprint):
-    ``off``: its name and path (the operator vouches for it); otherwise the identity of its weight files and its
-    ``adapter_config.json`` (hub commit, stat or content), not its name: two adapters of one name with other files
-    never share KV, one adapter's files share it under any name, in any process. The identity is taken once per
-    (name, path) in this process, so under ``content`` the files are read once; a restart takes it again. Each
+    An adapter is identified as the base weights are under ``weights`` (``namespace.weights``,
+    kvtier.records.fingerprint): ``off``: its name and path (the operator vouches for it); otherwise the identity of its
+    weight files and its ``adapter_config.json`` (hub commit, stat or content), not its name: two adapters of one name
+    with other files never share KV, one adapter's files share it under any name, in any process. The identity is taken
+    once per (name, path) in this process, so under ``content`` the files are read once; a restart takes it again. Each
     later request re-reads the files' sizes and mtimes (a few ``stat`` calls): files replaced while this process
     runs are caught, and as the engine may still serve the adapter it loaded before (vLLM keeps loaded adapters),
     each request of that adapter gets keys of its own from then on until a restart (a warning says so). An
@@ -216,7 +216,7 @@ def _changed(local: str, signature: str) -> bool:
 
 
 def adapter_files_id(local: str, mode: str) -> str:
-    """The identity of the adapter at ``local`` under ``mode`` (kvtier.fingerprint.weights_id): its weight files
+    """The identity of the adapter at ``local`` under ``mode`` (kvtier.records.fingerprint.weights_id): its weight files
     and, beside them, its ``adapter_config.json`` (rank, alpha, target modules), unless a hub commit covers both.
     Raises ``FingerprintError`` or ``OSError``."""
     files = weights_id(local, None, mode)

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.connector.base import KVConnectorMetadata
-from kvtier.directory import StorePlan
-from kvtier.geometry import NULL_BLOCK
-from kvtier.keys import Key
+from kvtier.control.directory import StorePlan
+from kvtier.layout.geometry import NULL_BLOCK
+from kvtier.records.keys import Key
 
 
 @dataclass(frozen=True)

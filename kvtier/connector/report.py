@@ -13,13 +13,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.keys import Key
+from kvtier.records.keys import Key
 
 # (request id, tier, key, tensor-parallel rank) of one chunk a worker did not store
 FailedSave = tuple[str, str, Key, str]
 # (request id, tier, key, tensor-parallel rank) of one chunk a worker has written: readable from now on
 StoredSave = tuple[str, str, Key, str]
-# (tier, key, tensor-parallel rank, written) of one record a persisting plan created (kvtier.connector.persisting)
+# (tier, key, tensor-parallel rank, written) of one record a persisting plan created
+# (kvtier.connector.worker.persisting)
 PersistedCopy = tuple[str, Key, str, bool]
 # (tier, key) of one chunk a worker could not load (a request's asynchronous load reported failed as a whole)
 FailedLoad = tuple[str, Key]
@@ -31,7 +32,7 @@ class WorkerReport:
     cannot read the engine's KV tensors: the scheduler stops planning), chunks that could not be loaded for a
     request whose load failed as a whole (the scheduler forgets them), chunks written (the scheduler makes a
     chunk every rank wrote visible to lookups at once, not when its request ends), and the records of persisting
-    copies, written or not (kvtier.connector.persist_plans)."""
+    copies, written or not (kvtier.connector.scheduler.persist_plans)."""
 
     failed_saves: list[FailedSave] = field(default_factory=list)
     disabled: bool = False

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConnectorError
-from kvtier.fingerprint import ModelFacts
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, dtype_name
+from kvtier.records.fingerprint import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class EngineSettings:
     source: Any = field(default=None, repr=False, compare=False)  # the engine's config, for model_facts
 
     def model_facts(self) -> ModelFacts | None:
-        """What the engine says about the model that computes the KV (kvtier.fingerprint); None without a model
+        """What the engine says about the model that computes the KV (kvtier.records.fingerprint); None without a model
         config. Reads the model's config, so call it only where a fingerprint is taken."""
         return model_facts(self.source)
 

@@ -1,8 +1,8 @@
 """TieredConnector: kvtier's connector, engine-neutral. It branches on role and delegates:
 
-* SCHEDULER role -> ``SchedulerHalf`` (kvtier.connector.scheduler): directory of the local tiers, lookups,
+* SCHEDULER role -> ``SchedulerHalf`` (kvtier.connector.scheduler.half): directory of the local tiers, lookups,
   load and save plans shipped as ``KVTierMetadata``.
-* WORKER role -> ``WorkerHalf`` (kvtier.connector.worker): a ``TieredStore`` holding the bytes; executes plans.
+* WORKER role -> ``WorkerHalf`` (kvtier.connector.worker.half): a ``TieredStore`` holding the bytes; executes plans.
 
 Built by an engine as ``TieredConnector(vllm_config, role, kv_cache_config)``: kvtier's config comes from
 ``vllm_config.kv_transfer_config.kv_connector_extra_config`` (``config_file`` plus override keys), read with the
@@ -20,7 +20,6 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtier.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
 from kvtier.config import KvtierConfig, TierKind, load_config
 from kvtier.connector.base import (
     KVConnectorBase,
@@ -30,24 +29,25 @@ from kvtier.connector.base import (
     SupportsHMA,
 )
 from kvtier.connector.capability import prefix_resume_blocker, state_blocker, weights_blocker
-from kvtier.connector.chunk_events import ChunkEvents
 from kvtier.connector.keying import Identity, identity_from, manifests, namespaces
-from kvtier.connector.persist_plans import PersistPlanner, planner_for
-from kvtier.connector.persisting import Persister, persister_for
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.report import WorkerReport, report_of
-from kvtier.connector.scheduler import SchedulerHalf
+from kvtier.connector.scheduler.chunk_events import ChunkEvents
+from kvtier.connector.scheduler.half import SchedulerHalf
+from kvtier.connector.scheduler.persist_plans import PersistPlanner, planner_for
 from kvtier.connector.settings import EngineSettings, layout_from_model, read_settings
-from kvtier.directory import Directory
+from kvtier.connector.worker.persisting import Persister, persister_for
+from kvtier.control.directory import Directory
+from kvtier.control.metrics import Deltas, snapshot
 from kvtier.errors import ConnectorError
 from kvtier.layout import KVCacheConfig, from_vllm
-from kvtier.metrics import Deltas, snapshot
-from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore
+from kvtier.store.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Tier
+from kvtier.tiers.runtime import LoopThread
 
 if TYPE_CHECKING:
-    from kvtier.connector.worker import WorkerHalf
+    from kvtier.connector.worker.half import WorkerHalf
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def is_scheduler(role: Any) -> bool:
 
 
 def hmac_key(cfg: KvtierConfig) -> bytes | None:
-    """The record-signing key from the environment variable the config names, if any (kvtier.security)."""
-    from kvtier.security import load_hmac_key
+    """The record-signing key from the environment variable the config names, if any (kvtier.records.security)."""
+    from kvtier.records.security import load_hmac_key
 
     return load_hmac_key(cfg.security)
 
@@ -119,7 +119,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         self._sched_deltas = Deltas()
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
-        self._persist_plans: PersistPlanner | None = None  # copies of memory chunks to disk (kvtier.persist)
+        self._persist_plans: PersistPlanner | None = None  # copies of memory chunks to disk (kvtier.store.persist)
         self._persister: Persister | None = None
         try:
             if is_scheduler(role):
@@ -171,7 +171,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
                              tp_size=ident.tp_size, blocker=blocker)
 
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
-        from kvtier.connector.worker import WorkerHalf  # torch: only worker processes import it
+        from kvtier.connector.worker.half import WorkerHalf  # torch: only worker processes import it
 
         # rank 0 stores under the scheduler's keys as shipped; other ranks key their own shards (kvtier.keying)
         ident = identity_from(cfg, self._engine, tp_rank=self._worker_tp_rank(), fingerprinted=False)
@@ -245,7 +245,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The worker's counts since the last call; the scheduler's: its directory's and, where it opened them
-        itself, its tiers' (kvtier.metrics). None when nothing changed."""
+        itself, its tiers' (kvtier.control.metrics). None when nothing changed."""
         stats = self._worker.stats() if self._worker is not None else None
         data = dict(stats.data) if stats is not None else {}
         if self._scheduler is not None:
@@ -256,7 +256,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
     def build_connector_worker_meta(self) -> WorkerReport | None:
         report = self._worker.report() if self._worker is not None else None
         rows = self._persister.take_rows() if self._persister is not None else []
-        if rows:  # the persisting copies written or not (kvtier.connector.persist_plans settles them)
+        if rows:  # the persisting copies written or not (kvtier.connector.scheduler.persist_plans settles them)
             report = report or WorkerReport()
             report.persisted.extend(rows)
         return report
@@ -289,8 +289,8 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         return self._sched().hit_sources(request.request_id)
 
     def take_events(self) -> Iterable[Any]:
-        """What entered and left each tier since the last call (kvtier.connector.chunk_events), when the engine
-        publishes KV events; an engine adapter converts them."""
+        """What entered and left each tier since the last call (kvtier.connector.scheduler.chunk_events), when the
+        engine publishes KV events; an engine adapter converts them."""
         events = self._scheduler.events if self._scheduler is not None else None
         return events.take() if events is not None else ()
 

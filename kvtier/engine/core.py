@@ -62,14 +62,14 @@ class RequestSpec:
 
 class KVTierPair:
     """Builds both TieredConnector halves of one process over one TieredStore (and its I/O loop), opened on the
-    first half built, for the engine's KV-cache config (kvtier.assembly, as the connector opens its own).
+    first half built, for the engine's KV-cache config (kvtier.store.assembly, as the connector opens its own).
 
     Use as the engine's ``connector``; the engine closes it after shutting the halves down.
     """
 
     def __init__(self, cfg: Any) -> None:
         from kvtier.connector.tiered import hmac_key
-        from kvtier.runtime import LoopThread
+        from kvtier.tiers.runtime import LoopThread
 
         self.cfg = cfg
         self._hmac_key = hmac_key(cfg)  # a missing signing key fails here, before any engine is built
@@ -84,7 +84,7 @@ class KVTierPair:
         return self._store
 
     def _open(self, kv_cache_config: KVCacheConfig) -> Any:
-        from kvtier.store import TieredStore
+        from kvtier.store.tiered import TieredStore
 
         if self._store is None:
             store = TieredStore.from_config(self.cfg, hmac_key=self._hmac_key, kcc=kv_cache_config)

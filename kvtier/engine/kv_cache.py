@@ -20,7 +20,6 @@ from collections.abc import Iterable
 import torch
 
 from kvtier.engine.model import ModelConfig
-from kvtier.geometry import NULL_BLOCK
 from kvtier.layout import (
     FullAttentionSpec,
     GroupKind,
@@ -30,6 +29,7 @@ from kvtier.layout import (
     SlidingWindowSpec,
     dtype_name,
 )
+from kvtier.layout.geometry import NULL_BLOCK
 
 
 def build_kv_cache_config(model: ModelConfig, block_size: int, num_blocks: int) -> KVCacheConfig:

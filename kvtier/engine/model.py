@@ -76,8 +76,8 @@ class ModelConfig:
 
     @property
     def weights_identity(self) -> str:
-        """What identifies the weights (kvtier.fingerprint): they are generated from the shape and seed the model
-        id names, so the id itself, with the dtype."""
+        """What identifies the weights (kvtier.records.fingerprint): they are generated from the shape and seed the
+        model id names, so the id itself, with the dtype."""
         return f"{self.model}-{dtype_name(self.dtype)}"
 
     @property

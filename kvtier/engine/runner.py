@@ -27,7 +27,7 @@ from kvtier.engine.kv_cache import KVCacheManager
 from kvtier.engine.model import KEY_BLOCK, TILE, BatchMeta, GroupAttention, TinyTransformer
 from kvtier.engine.recurrent import StateBatch
 from kvtier.engine.scheduler import RunnerOutput
-from kvtier.geometry import NULL_BLOCK
+from kvtier.layout.geometry import NULL_BLOCK
 
 
 @dataclass

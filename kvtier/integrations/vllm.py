@@ -68,9 +68,9 @@ from kvtier.connector.legacy import adapter_base
 from kvtier.connector.multi import MultiConnector, MultiConnectorStats, required_layout
 from kvtier.connector.report import ChildReports, WorkerReport
 from kvtier.connector.tiered import TieredConnector
+from kvtier.control.events import EventKind
 from kvtier.errors import ConnectorError
-from kvtier.events import EventKind
-from kvtier.prometheus import LATENCY_BUCKETS, METRICS, observe_into
+from kvtier.integrations.prometheus import LATENCY_BUCKETS, METRICS, observe_into
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ class KVTierStats(kvbase.KVConnectorStats, VllmStats):  # type: ignore[misc, unu
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """kvtier's metrics (kvtier.prometheus) in vLLM's registry, so they appear in the server's ``/metrics``,
-    labelled with vLLM's engine labels. Stats of a chained connector's kvtier children are summed."""
+    """kvtier's metrics (kvtier.integrations.prometheus) in vLLM's registry, so they appear in the server's
+    ``/metrics``, labelled with vLLM's engine labels. Stats of a chained connector's kvtier children are summed."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -217,7 +217,8 @@ class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        """kvtier's counters, levels and latency histograms in the server's ``/metrics`` (kvtier.prometheus)."""
+        """kvtier's counters, levels and latency histograms in the server's ``/metrics``
+        (kvtier.integrations.prometheus)."""
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> Any:
@@ -329,7 +330,7 @@ _MEDIUM = {TierKind.GPU: "GPU", TierKind.CPU: "CPU", TierKind.DISK: "STORAGE", T
 
 
 def _vllm_events(events: Any, cfg: Any) -> list[Any]:
-    """kvtier's chunk events (kvtier.connector.chunk_events) as vLLM's KV-cache events."""
+    """kvtier's chunk events (kvtier.connector.scheduler.chunk_events) as vLLM's KV-cache events."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     kinds: dict[str, TierKind] = {t.name: t.kind for t in cfg.tiers}

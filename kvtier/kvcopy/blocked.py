@@ -1,4 +1,4 @@
-"""Copies of the blocked layouts (``kv_first``, ``blocks_first``, ``mla``: :class:`kvtier.geometry.KVLayout`).
+"""Copies of the blocked layouts (``kv_first``, ``blocks_first``, ``mla``: :class:`kvtier.layout.geometry.KVLayout`).
 
 A chunk of ``C`` tokens spans ``bpc = C / block_size`` blocks; its payload is ``[L, 2, C, heads, head]``
 (``[L, C, head]`` for MLA). Every copy is an index op per layer over every block of a chunk or over one block
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.geometry import KVLayout, block_axis, kv_rows, non_null
 from kvtier.kvcopy.common import GATHER_DTYPES, SCATTER_DTYPES, index, wide
+from kvtier.layout.geometry import KVLayout, block_axis, kv_rows, non_null
 
 
 def layer_blocks(t: torch.Tensor, idx: torch.Tensor, layout: KVLayout, n: int, bpc: int) -> torch.Tensor:

@@ -9,17 +9,17 @@ tensor of the same dtype, shape and contents). Rules every tier follows:
 * Batched calls return one result per key, in order.
 * A miss, an unreachable medium, a timeout or a corrupt record is ``None`` from ``get`` / ``False`` from
   ``contains``, never an exception; a corrupt record is also deleted and counted in ``stats().corrupt``.
-* A tier counts its own operations in its ``stats()`` (``kvtier.metrics.TierStats``, or the subclass of its
+* A tier counts its own operations in its ``stats()`` (``kvtier.control.metrics.TierStats``, or the subclass of its
   kind); evictions the directory chose are deletes there, never tier evictions.
 * ``put`` never exceeds ``capacity_bytes``: an item that does not fit is refused (``False``), not stored.
   Shared tiers are the exception: Redis memory belongs to the server (``maxmemory`` + ``allkeys-lru``), so
   the Redis tier only reports the bytes it wrote and refuses just a record larger than its whole capacity.
-  Choosing victims is the control plane's job (``kvtier.directory``); the tier only stores and deletes.
+  Choosing victims is the control plane's job (``kvtier.control.directory``); the tier only stores and deletes.
 * ``get_into`` copies records into caller buffers instead of returning new tensors (default: ``get`` + copy;
   memory tiers copy straight from their pool). Memory tiers also lend pinned zero-copy views (``Borrowing``).
 * ``entries()`` lists what a local tier already holds at start (disk: rebuilt from headers) so the
   directory can adopt it; shared tiers (Redis) are not enumerated and are asked with ``contains``.
-* ``describe(manifests)``: the connector names, once, the namespaces (digest -> kvtier.manifest dict) this
+* ``describe(manifests)``: the connector names, once, the namespaces (digest -> kvtier.tiers.manifest dict) this
   process serves. A tier several processes share (disk) takes them as its own: ``entries()`` lists only
   those, it evicts only those, and writes their manifests. Default: nothing.
 """
@@ -31,8 +31,8 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from kvtier.keys import Key
-from kvtier.metrics import TierStats
+from kvtier.control.metrics import TierStats
+from kvtier.records.keys import Key
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,7 @@ class Tier(ABC):
         return ()
 
     def describe(self, manifests: Mapping[bytes, Mapping[str, Any]]) -> Awaitable[None] | None:
-        """The namespaces this process serves: 16-byte digest -> manifest (kvtier.manifest), once, before or
+        """The namespaces this process serves: 16-byte digest -> manifest (kvtier.tiers.manifest), once, before or
         after ``start``, on the tier's event loop. A tier may do it synchronously or as a coroutine (callers
         await what it returns, if anything). Default: nothing to do."""
         return None

@@ -31,9 +31,9 @@ from kvtier.bench.workloads import (
     parse_capacities,
     synthetic_suite,
 )
-from kvtier.cli import main
+from kvtier.control.policy import POLICIES
 from kvtier.errors import ConfigError
-from kvtier.policy import POLICIES
+from kvtier.ops.cli import main
 
 TRACE = DEFAULT_TRACE
 needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"Mooncake trace not found at {TRACE}")

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.bench import overhead
 from kvtier.bench.overhead import directory_with, per_call, prompts
-from kvtier.keys import Namespace, chunk_keys
+from kvtier.records.keys import Namespace, chunk_keys
 
 
 def test_quick_run_reports_every_figure_beside_prefill(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -55,7 +55,7 @@ def test_prompts_are_distinct_and_per_call_counts_calls() -> None:
 
 
 def test_reachable_as_kvtier_bench_overhead(tmp_path: Path) -> None:
-    from kvtier.cli import main
+    from kvtier.ops.cli import main
 
     out = tmp_path / "cli.json"
     assert main(["bench", "overhead", "--quick", "--lengths", "256", "--repeats", "1", "--json", str(out)]) == 0

@@ -96,7 +96,7 @@ def test_script_runs_a_selected_tier_and_fsync_mode(tmp_path: Path) -> None:
 
 
 def test_unknown_tier_and_zero_repeats_are_one_line_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvtier.cli import main
+    from kvtier.ops.cli import main
 
     for argv, expected in ((["--tiers", "cpu,tape"], "argument --tiers: unknown tape"),
                            (["--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),

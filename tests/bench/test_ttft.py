@@ -46,7 +46,7 @@ def test_modes_can_be_chosen_and_unknown_ones_are_refused(tmp_path: Path) -> Non
 
 
 def test_unknown_modes_and_zero_lengths_are_one_line_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvtier.cli import main
+    from kvtier.ops.cli import main
 
     for argv, expected in ((["--modes", "cpu,tape"], "argument --modes: unknown tape"),
                            (["--lengths", "64,0"], "argument --lengths: expected an integer >= 1, got '0'"),

@@ -14,10 +14,10 @@ from kvtier.connector.keying import identity_from, namespaces, request_keys
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import NewRequestData, Request, SchedulerOutput
-from kvtier.keys import Key
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
-from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore
+from kvtier.records.keys import Key
+from kvtier.store.tiered import TieredStore
+from kvtier.tiers.runtime import LoopThread
 
 C = 8  # chunk size; block size 4 -> two blocks per chunk
 SCHED = KVConnectorRole.SCHEDULER

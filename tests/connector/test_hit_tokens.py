@@ -12,7 +12,7 @@ import torch
 from roundtrip_helpers import BS, NUM_BLOCKS, C, new_req, step
 
 from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig
-from kvtier.config_tree import TierKind
+from kvtier.config.tree import TierKind
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVCacheBlocks, Request, SchedulerOutput

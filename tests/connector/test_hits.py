@@ -1,8 +1,8 @@
-"""The hit rule per group kind (kvtier.connector.hits): what each group must find for a hit of ``n`` chunks."""
+"""The hit rule per group kind (kvtier.connector.scheduler.hits): what each group must find for a hit of ``n`` chunks."""
 
 from __future__ import annotations
 
-from kvtier.connector.hits import GroupNeed, best_hit, hit_limit
+from kvtier.connector.scheduler.hits import GroupNeed, best_hit, hit_limit
 from kvtier.layout import GroupKind
 
 C = 16

@@ -3,10 +3,10 @@ its request ends; what no rank reported is settled when the request's saves fini
 
 from __future__ import annotations
 
-from kvtier.connector.inflight import InflightSaves
 from kvtier.connector.report import WorkerReport
-from kvtier.directory import Directory, TierSlot
-from kvtier.policy import make_policy
+from kvtier.connector.scheduler.inflight import InflightSaves
+from kvtier.control.directory import Directory, TierSlot
+from kvtier.control.policy import make_policy
 
 
 def k(i: int) -> bytes:

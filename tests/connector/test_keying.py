@@ -31,8 +31,8 @@ from kvtier.connector.keying import (
 )
 from kvtier.connector.settings import read_settings
 from kvtier.connector.types import Request
-from kvtier.fingerprint import WEIGHT_MODES
 from kvtier.layout import KVCacheConfig, simple_config
+from kvtier.records.fingerprint import WEIGHT_MODES
 
 FILE_MODES = ("auto", "stat", "content")
 

@@ -1,4 +1,4 @@
-"""The scheduler's persisting plans (kvtier.connector.persist_plans): which saves get a copy planned, into which
+"""The scheduler's persisting plans (kvtier.connector.scheduler.persist_plans): which saves get a copy planned, into which
 tier, and how the workers' reports settle them with tensor parallelism."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvtier.assembly import build_tiers, directory_for
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, RedisTierConfig, WritePolicy
-from kvtier.connector.persist_plans import PersistingMetadata, PersistPlanner, planner_for
 from kvtier.connector.plans import KVTierMetadata, SaveSpec
 from kvtier.connector.report import WorkerReport
-from kvtier.directory import Directory, StorePlan
+from kvtier.connector.scheduler.persist_plans import PersistingMetadata, PersistPlanner, planner_for
+from kvtier.control.directory import Directory, StorePlan
 from kvtier.layout import simple_config
+from kvtier.store.assembly import build_tiers, directory_for
 
 KCC = simple_config(2, 2, 4, dtype="float32", block_size=4)
 KEYS = tuple(bytes([i]) * 32 for i in range(1, 4))

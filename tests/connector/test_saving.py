@@ -15,19 +15,19 @@ import pytest
 import torch
 from worker_kit import A_IDS, B_IDS, KCC, TOKENS, C, Engine, make_cfg, paged
 
-from kvtier.assembly import Role
 from kvtier.config import DiskTierConfig, PolicyConfig, WritePolicy
-from kvtier.connector import worker as worker_module
 from kvtier.connector.plans import KVTierMetadata, SaveSpec
-from kvtier.connector.reuse import SeenCounter
+from kvtier.connector.scheduler.reuse import SeenCounter
 from kvtier.connector.types import Request, SchedulerOutput
-from kvtier.connector.worker import WorkerHalf
-from kvtier.directory import StorePlan
-from kvtier.keys import Key
-from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore
+from kvtier.connector.worker import half as worker_module
+from kvtier.connector.worker.half import WorkerHalf
+from kvtier.control.directory import StorePlan
+from kvtier.kvcopy.transfer import KVLayout, gather
+from kvtier.records.keys import Key
+from kvtier.store.assembly import Role
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.disk.tier import DiskTier
-from kvtier.transfer import KVLayout, gather
+from kvtier.tiers.runtime import LoopThread
 
 KEYS = tuple(Key(bytes([i]) * 32) for i in range(1, 5))
 
@@ -158,7 +158,7 @@ def test_a_save_step_cancelled_before_it_ran_leaves_the_backlog(gated) -> None: 
 def test_a_stuck_save_is_abandoned_and_frees_its_request(gated, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A medium that never finishes a write: after ``SAVE_TIMEOUT_S`` the save is dropped and reported not stored,
     and the finished request is reported done, so the engine gets its blocks back."""
-    from kvtier.connector import saving
+    from kvtier.connector.worker import saving
 
     worker, _, _, _ = gated
     monkeypatch.setattr(saving, "SAVE_TIMEOUT_S", 0.3)

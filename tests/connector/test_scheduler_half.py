@@ -75,7 +75,7 @@ def test_chunks_the_engines_blocks_do_not_fit_disable_kvtier_or_fail_in_strict_m
 
 def test_a_tier_too_small_for_one_chunk_disables_kvtier_or_fails_in_strict_mode(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The same fit rule as ``kvtier check`` (kvtier.fit): a tier that cannot hold one record of a group placed
+    """The same fit rule as ``kvtier check`` (kvtier.records.fit): a tier that cannot hold one record of a group placed
     on it is found at start, not by a stream of refused saves."""
     big = KVCacheConfig((KVCacheGroupSpec(tuple(f"l{i}" for i in range(64)), FullAttentionSpec(C, 8, 128,
                                                                                                  "float32")),))

@@ -10,8 +10,8 @@ from __future__ import annotations
 from scheduler_harness import FULL, MAMBA, TOKENS, Build, C, schedule_new
 
 from kvtier.connector.types import KVCacheBlocks, KVConnectorBlockState, NewRequestData, Request, SchedulerOutput
-from kvtier.geometry import NULL_BLOCK
 from kvtier.layout import KVCacheConfig
+from kvtier.layout.geometry import NULL_BLOCK
 
 HYBRID = KVCacheConfig((FULL, MAMBA))  # block size 4 in both groups, chunks of 8: a state every other block
 

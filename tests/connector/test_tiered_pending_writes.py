@@ -24,13 +24,13 @@ from kvtier.config import TierKind
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.plans import SaveSpec
 from kvtier.connector.report import WorkerReport
-from kvtier.connector.saving import SaveJob, SaveQueue
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
-from kvtier.directory import StorePlan
-from kvtier.keys import Key
-from kvtier.metrics import WorkerCounters
-from kvtier.runtime import LoopThread
+from kvtier.connector.worker.saving import SaveJob, SaveQueue
+from kvtier.control.directory import StorePlan
+from kvtier.control.metrics import WorkerCounters
+from kvtier.records.keys import Key
+from kvtier.tiers.runtime import LoopThread
 
 
 class HeldWrites:

@@ -35,8 +35,8 @@ from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.layout import simple_config
-from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore
+from kvtier.store.tiered import TieredStore
+from kvtier.tiers.runtime import LoopThread
 
 
 def save_request_a(sched: TieredConnector, work: TieredConnector) -> None:
@@ -52,7 +52,7 @@ def save_request_a(sched: TieredConnector, work: TieredConnector) -> None:
 
 def test_roundtrip_from_a_memory_tier(tmp_path: Path) -> None:
     """Two KV-cache groups: the load is asynchronous even from memory (vLLM takes a failed load of such a model
-    only per request, kvtier.connector.loads)."""
+    only per request, kvtier.connector.worker.loads)."""
     cfg = cfg_for(tmp_path)
     sched = TieredConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
     work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)

@@ -18,8 +18,8 @@ from roundtrip_helpers import C, cfg_for, receive, step
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorBlockState, NewRequestData, Request, SchedulerOutput
-from kvtier.geometry import NULL_BLOCK
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from kvtier.layout.geometry import NULL_BLOCK
 
 BS, NUM_BLOCKS, PAGE = 4, 64, 48
 STATE = MambaSpec(BS, ((2, 3), (4,)), ("float32", "float32"))  # 40 bytes of state per layer and block

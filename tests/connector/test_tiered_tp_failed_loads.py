@@ -24,8 +24,8 @@ from kvtier.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvtier.keys import Key
 from kvtier.layout import simple_config
+from kvtier.records.keys import Key
 
 C, BS, NUM_BLOCKS = 8, 4, 64
 KCC = simple_config(2, 2, 4, dtype="float32", block_size=BS, num_blocks=NUM_BLOCKS)  # one group: loads are sync

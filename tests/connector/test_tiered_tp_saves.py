@@ -15,7 +15,7 @@ from kvtier.connector.keying import namespaces, rank_key
 from kvtier.connector.report import WorkerReport
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
-from kvtier.keys import Key
+from kvtier.records.keys import Key
 
 
 def save_on_ranks(sched: TieredConnector, workers: list[TieredConnector], req: Request) -> list[WorkerReport]:

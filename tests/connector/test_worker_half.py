@@ -37,15 +37,15 @@ from worker_kit import (
     store_a,
 )
 
-import kvtier.connector.loads as loads_module
-import kvtier.connector.worker as worker_module
+import kvtier.connector.worker.half as worker_module
+import kvtier.connector.worker.loads as loads_module
 from kvtier.config import CpuTierConfig
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.connector.types import KVCacheBlocks, Request
-from kvtier.directory import StorePlan
-from kvtier.keys import Key
+from kvtier.control.directory import StorePlan
+from kvtier.kvcopy.transfer import KVLayout, gather
+from kvtier.records.keys import Key
 from kvtier.tiers.memory.cpu import CpuTier
-from kvtier.transfer import KVLayout, gather
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "delete"])

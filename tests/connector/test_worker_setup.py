@@ -15,16 +15,16 @@ import pytest
 import torch
 from worker_kit import A_IDS, BS, KCC, NB, TOKENS, C, Engine, make_cfg, paged
 
-from kvtier.assembly import Role
 from kvtier.config import CpuTierConfig
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import NewRequestData, Request, SchedulerOutput
-from kvtier.connector.worker import WorkerHalf
+from kvtier.connector.worker.half import WorkerHalf
 from kvtier.errors import ConnectorError
-from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore
+from kvtier.store.assembly import Role
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.memory.cpu import CpuTier
+from kvtier.tiers.runtime import LoopThread
 
 
 def test_finished_sending_waits_for_finish_and_saves(tmp_path: Path) -> None:

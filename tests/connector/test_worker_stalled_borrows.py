@@ -11,13 +11,13 @@ import pytest
 import torch
 from worker_kit import CHUNK_BLOCKS, CHUNK_KEYS, KCC, bounded_worker, paged
 
-import kvtier.connector.loads as loads_module
+import kvtier.connector.worker.loads as loads_module
 from kvtier.config import CpuTierConfig
 from kvtier.connector.plans import KVTierMetadata, LoadSpec
-from kvtier.keys import Key
-from kvtier.runtime import LoopThread
+from kvtier.kvcopy.transfer import KVLayout, gather
+from kvtier.records.keys import Key
 from kvtier.tiers.memory.cpu import CpuTier
-from kvtier.transfer import KVLayout, gather
+from kvtier.tiers.runtime import LoopThread
 
 STALL_S = 0.25  # each borrow holds the I/O loop this long: past the engine's wait (0.05 s + 0.05 s of grace)
 

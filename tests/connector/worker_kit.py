@@ -12,18 +12,18 @@ from pathlib import Path
 
 import torch
 
-from kvtier.assembly import Role
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, WritePolicy
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces, request_keys
 from kvtier.connector.tiered import TieredConnector
 from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
-from kvtier.connector.worker import WorkerHalf
-from kvtier.keys import Key
+from kvtier.connector.worker.half import WorkerHalf
 from kvtier.layout import simple_config
-from kvtier.runtime import LoopThread
-from kvtier.store import TieredStore
+from kvtier.records.keys import Key
+from kvtier.store.assembly import Role
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.memory.cpu import CpuTier
+from kvtier.tiers.runtime import LoopThread
 
 C, BS, NB = 8, 4, 48
 KCC = simple_config(2, 2, 4, dtype="bfloat16", block_size=BS, num_blocks=NB)

@@ -166,8 +166,8 @@ def test_negative_controls_a_record_under_the_wrong_key_is_refused_a_forged_one_
     names B's keys), recomputes, and the output is the uncached one. (2) B's KV re-encoded as valid records under
     A's keys (what a hash collision would look like): kvtier loads it and the output changes, which shows the
     outputs above depend on the loaded KV."""
-    from kvtier import codec
-    from kvtier.keys import chunk_keys
+    from kvtier.records import codec
+    from kvtier.records.keys import chunk_keys
     from kvtier.tiers.disk.index import Layout
 
     kv = workdir / "kv"

@@ -56,8 +56,8 @@ def test_a_forged_state_changes_the_output_so_the_loaded_state_is_used(
         references: Callable[..., dict[str, Any]], workdir: Path) -> None:
     """Engine 1 saves A's and B's records. B's recurrent states re-encoded as valid records under A's keys (A's
     attention KV kept): the hit still loads, and the output changes; A's own states restored: right again."""
-    from kvtier import codec
-    from kvtier.keys import chunk_keys
+    from kvtier.records import codec
+    from kvtier.records.keys import chunk_keys
     from kvtier.tiers.disk.index import Layout
 
     kv = workdir / "kv"
@@ -112,7 +112,7 @@ def test_a_corrupt_record_of_a_hybrid_is_recomputed_not_a_crash(
     """vLLM raises on block-level load errors for a model with several KV-cache groups; kvtier reports the failed
     load per request (``failed_recving``): one corrupted byte in A's attention record, and the new engine
     recomputes A2 whole, with the uncached output, and keeps serving."""
-    from kvtier.keys import chunk_keys
+    from kvtier.records.keys import chunk_keys
     from kvtier.tiers.disk.index import Layout
 
     kv = workdir / "kv"

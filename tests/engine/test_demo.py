@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.engine import demo
+from kvtier.ops import demo
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -97,7 +97,7 @@ def test_demo_rejects_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_kvtier_demo_command_with_defaults_finishes_quickly(tmp_path: Path) -> None:
     env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "kvtier.ops.cli", "demo"], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "outputs identical with and without the cache: yes" in proc.stdout

@@ -17,7 +17,7 @@ from kvtier.config import load_config
 from kvtier.connector.types import KVTransferConfig
 from kvtier.engine import EngineArgs, KVTierPair, ModelConfig
 from kvtier.engine.core import Engine, RequestSpec
-from kvtier.keys import chunk_keys
+from kvtier.records.keys import chunk_keys
 
 C = 32
 MODEL = ModelConfig()

@@ -21,7 +21,7 @@ from kvtier.config import TierKind
 from kvtier.connector.types import KVTransferConfig
 from kvtier.engine import EngineArgs, ModelConfig
 from kvtier.engine.core import Engine, RequestSpec
-from kvtier.keys import Key, chunk_keys
+from kvtier.records.keys import Key, chunk_keys
 
 C = 32
 FULL, HYBRID = ModelConfig(), ModelConfig(sliding_window=48)

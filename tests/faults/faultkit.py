@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvtier.config import KvtierConfig, load_config
-from kvtier.directory import ChunkState, Directory
+from kvtier.control.directory import ChunkState, Directory
 from kvtier.engine import Engine, EngineArgs, KVTierPair, ModelConfig, RequestSpec
 from kvtier.engine.harness import RunRecord, compare, run_waves
 from kvtier.engine.workload import random_tokens

@@ -27,8 +27,8 @@ from faultkit import (
 )
 
 from kvtier.bench.redis_servers import RedisServer
-from kvtier.codec import HEADER_SIZE, decode
 from kvtier.engine import KVTierPair
+from kvtier.records.codec import HEADER_SIZE, decode
 
 WAVES = [fault_waves()[0], fault_waves()[3]]  # wave 1 repeats a prompt of wave 0: its loads read the damage
 DAMAGES = ["flip_payload", "flip_header", "truncate", "foreign"]

@@ -21,10 +21,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier import codec
 from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import DiskTierConfig, RedisTierConfig
 from kvtier.errors import CorruptRecord
+from kvtier.records import codec
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.redis.tier import RedisTier
 

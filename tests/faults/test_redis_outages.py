@@ -29,7 +29,7 @@ from faultkit import (
 
 from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import KvtierConfig
-from kvtier.connector.scheduler import LOOKUP_TIMEOUT_S
+from kvtier.connector.scheduler.half import LOOKUP_TIMEOUT_S
 from kvtier.engine import KVTierPair
 
 TIMEOUT = 0.2

@@ -43,7 +43,7 @@ from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import SecurityConfig
 from kvtier.engine import Engine, EngineArgs, KVTierPair
 from kvtier.errors import ConfigError, TierUnavailable
-from kvtier.security import MIN_KEY_BYTES, load_hmac_key
+from kvtier.records.security import MIN_KEY_BYTES, load_hmac_key
 
 REPO = Path(__file__).resolve().parents[2]
 STORE, REPEAT = fault_waves()[0], fault_waves()[3]  # REPEAT's "w3-a" repeats a prompt of STORE

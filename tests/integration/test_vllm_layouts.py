@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvtier.errors import ConnectorError
-from kvtier.geometry import NULL_BLOCK, STRIDE_ORDERS, KVLayout, kernel_ids
 from kvtier.kvcopy.paged import page_rows
-from kvtier.pages import page_view
-from kvtier.transfer import gather, scatter
+from kvtier.kvcopy.transfer import gather, scatter
+from kvtier.layout.geometry import NULL_BLOCK, STRIDE_ORDERS, KVLayout, kernel_ids
+from kvtier.layout.pages import page_view
 
 DENSE = {"LBHNC", "LBNHC", "BLHNC", "BLNHC"}  # a block's page of one layer is one run of memory
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 from kvtier.bench.hitrate import DirectoryStack, replay
 from kvtier.bench.workloads import Request, Workload, agentic
-from kvtier.policies.adaptive import AdaptivePolicy
-from kvtier.policies.hitdensity import PrefixHitDensityPolicy
-from kvtier.policy import EvictionPolicy, LRUPolicy, PrefixLRUPolicy, make_policy
+from kvtier.control.policies.adaptive import AdaptivePolicy
+from kvtier.control.policies.hitdensity import PrefixHitDensityPolicy
+from kvtier.control.policy import EvictionPolicy, LRUPolicy, PrefixLRUPolicy, make_policy
 
 
 def drive(p: EvictionPolicy, requests: list[tuple[int, ...]], capacity: int) -> list[int]:

@@ -15,9 +15,9 @@ import torch
 from contract import TierContract, assert_same, key, rand
 from disk_helpers import disk, record_files
 
-from kvtier.codec import HEADER_SIZE, MAC_BYTES
 from kvtier.config import DiskTierConfig
 from kvtier.errors import ConfigError
+from kvtier.records.codec import HEADER_SIZE, MAC_BYTES
 from kvtier.tiers import make_tier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk.tier import DiskTier

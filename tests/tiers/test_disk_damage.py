@@ -13,7 +13,7 @@ import pytest
 from contract import assert_same, key, rand
 from disk_helpers import disk, record_files
 
-from kvtier.codec import HEADER_SIZE
+from kvtier.records.codec import HEADER_SIZE
 from kvtier.tiers.disk.io import READ_PIECE
 
 

@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from contract import rand
 
-from kvtier.assembly import Role, build_tiers, directory_for, start_tiers
-from kvtier.codec import HEADER_SIZE
 from kvtier.config import DiskTierConfig, load_config
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
-from kvtier.manifest import manifest_of, read_manifest
+from kvtier.records.codec import HEADER_SIZE
+from kvtier.records.keys import Namespace
+from kvtier.store.assembly import Role, build_tiers, directory_for, start_tiers
 from kvtier.tiers.disk.ledger import LEDGER_NAME, Ledger
 from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.manifest import manifest_of, read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = HEADER_SIZE + 4096  # one record of rand((1024,)) float32
@@ -33,8 +33,8 @@ import asyncio, hashlib, json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 from contract import rand
 from kvtier.config import DiskTierConfig
-from kvtier.keys import Namespace
-from kvtier.manifest import manifest_of
+from kvtier.records.keys import Namespace
+from kvtier.tiers.manifest import manifest_of
 from kvtier.tiers.disk.tier import DiskTier
 
 root, model, capacity, count, go, done = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:8]

@@ -17,8 +17,8 @@ import torch
 from contract import assert_same, rand
 from redis_helpers import Make, started_tiers
 
-from kvtier import codec
 from kvtier.bench.redis_servers import RedisClusterServers, RedisServer
+from kvtier.records import codec
 from kvtier.tiers.redis.bulk import part_name, parts_of
 
 NS_A = b"namespace-A-0000"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import cli
+from kvtier.ops import cli
 
 FIX = "kind redis needs the redis extra: pip install 'kvtier[redis]'"
 CONFIG = """\
@@ -79,7 +79,7 @@ def test_store_without_redis_fails_with_the_fix(config_file: Path) -> None:
 def test_check_without_redis_is_one_line_and_exit_2(config_file: Path, as_json: bool) -> None:
     flags = ["--json"] if as_json else []
     proc = run_without_redis("""
-        from kvtier.cli import main
+        from kvtier.ops.cli import main
         sys.exit(main(sys.argv[1:]))
         """, "check", str(config_file), *flags)
     assert proc.returncode == 2

@@ -1,5 +1,5 @@
 """Atomic file writes (blocking): the bytes go into a temp file beside the target, which is then renamed over it,
-so a reader finds the whole new file or the old one, never a part. Namespace manifests (``kvtier.manifest``) and
+so a reader finds the whole new file or the old one, never a part. Namespace manifests (``kvtier.tiers.manifest``) and
 the shared-directory ledger and member files (``kvtier.tiers.disk.ledger``) are written with
 ``write_and_rename``; record files in two steps, ``finish_temp`` (``io.stage_record``) and a rename under the
 ledger's lock (``shared.SharedDirectory.store``), so that the ledger counts each record as it lands. No torch

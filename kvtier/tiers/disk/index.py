@@ -7,7 +7,7 @@ run it in a worker thread) walks the namespace directories only (the root may ho
 e.g. tensor-parallel ranks' ``tp<rank>-of-<size>``), removes stale temp files, deletes files whose header is
 invalid or whose size disagrees with the header, moves records found at another shard depth, and returns the
 valid ones oldest first. It skips what is not a record: each namespace directory's ``manifest.json``
-(kvtier.manifest) and, at the root, the shared-directory ledger and lock files (kvtier.tiers.disk.ledger).
+(kvtier.tiers.manifest) and, at the root, the shared-directory ledger and lock files (kvtier.tiers.disk.ledger).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from kvtier.codec import HEADER_SIZE, decode_header
 from kvtier.errors import CorruptRecord
-from kvtier.keys import DIGEST_BYTES, KEY_BYTES, Key
-from kvtier.manifest import MANIFEST_NAME
+from kvtier.records.codec import HEADER_SIZE, decode_header
+from kvtier.records.keys import DIGEST_BYTES, KEY_BYTES, Key
+from kvtier.tiers.manifest import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 

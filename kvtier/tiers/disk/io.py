@@ -17,7 +17,9 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.codec import (
+from kvtier.errors import CorruptRecord
+from kvtier.layout import dtype_name
+from kvtier.records.codec import (
     FLAG_LZ4,
     FLAG_ZSTD,
     HEADER_SIZE,
@@ -27,9 +29,7 @@ from kvtier.codec import (
     encode,
     verify_payload,
 )
-from kvtier.errors import CorruptRecord
-from kvtier.keys import Key
-from kvtier.layout import dtype_name
+from kvtier.records.keys import Key
 from kvtier.tiers.disk.files import Staged, finish_temp, open_temp
 from kvtier.tiers.disk.index import Layout
 from kvtier.tiers.memory.recycle import Recycler

@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from kvtier.keys import DIGEST_BYTES, Key
+from kvtier.records.keys import DIGEST_BYTES, Key
 from kvtier.tiers.disk.files import Staged, discard, fsync_dir
 from kvtier.tiers.disk.ledger import LedgerState
 

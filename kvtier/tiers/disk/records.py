@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable, Iterator
 
-from kvtier.keys import DIGEST_BYTES, Key
+from kvtier.records.keys import DIGEST_BYTES, Key
 from kvtier.tiers.disk.shared import Victim
 
 

@@ -15,16 +15,16 @@ the namespace furthest over its share (never below it), then its own; at its sha
 LRU (each evicts by age within what it may take), and a namespace at or below its share is never cut by
 another process. A put costs two short ledger transactions in the writer thread (no extra thread hop): one
 reserves its bytes, one renames its records into place and counts them, so the ledger matches the files (a
-killed process's reservations go with it; kvtier.tiers.disk.ledger). Manifests: kvtier.manifest.
+killed process's reservations go with it; kvtier.tiers.disk.ledger). Manifests: kvtier.tiers.manifest.
 
-Writes: encode (kvtier.codec, optional compression and HMAC) into a temp file in the target directory, fsync
+Writes: encode (kvtier.records.codec, optional compression and HMAC) into a temp file in the target directory, fsync
 when configured, ``os.replace`` under the ledger's lock. The quota counts whole files; a put that would exceed
 it is refused. Any OSError while writing (ENOSPC included) drops that write, removes the temp file and counts
 ``errors``.
 Reads verify the key, checksum and signature; a corrupt or truncated file is a miss, deleted and counted in
 ``corrupt``; a file removed behind our back (another process sharing the directory) is a miss. The records of
 one ``put`` are written one after another by the tier's single writer thread, at the lowest CPU priority
-(``kvtier.runtime.background_thread``): one thread hop per batch, and the engine's threads run first.
+(``kvtier.tiers.runtime.background_thread``): one thread hop per batch, and the engine's threads run first.
 Reads of one ``get``: small records (under ``SMALL_RECORD`` on average) first go through one call that reads
 each only if the page cache holds all of it (``RWF_NOWAIT``); the rest, and large records, go in at most
 ``READ_STREAMS`` calls (runs of records of similar size), so that a device has several reads in flight. A read
@@ -44,12 +44,11 @@ from typing import Any
 
 import torch
 
-from kvtier.codec import HEADER_SIZE, MAC_BYTES
 from kvtier.config import DiskTierConfig, TierConfig
+from kvtier.control.metrics import DiskStats, Timer
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.keys import DIGEST_BYTES, Key
-from kvtier.metrics import DiskStats, Timer
-from kvtier.runtime import background_thread
+from kvtier.records.codec import HEADER_SIZE, MAC_BYTES
+from kvtier.records.keys import DIGEST_BYTES, Key
 from kvtier.tiers.base import Tier, TierEntry
 from kvtier.tiers.disk.files import Staged
 from kvtier.tiers.disk.index import DIR_MODE, PATH_ERRNOS, Layout, scan
@@ -57,6 +56,7 @@ from kvtier.tiers.disk.io import NOWAIT_FLAGS, SMALL_RECORD, Deferred, ReadResul
 from kvtier.tiers.disk.records import Records
 from kvtier.tiers.disk.shared import Reservation, SharedDirectory, Victim
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
+from kvtier.tiers.runtime import background_thread
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class DiskTier(Tier):
             os.chmod(self.layout.root, DIR_MODE)
 
     async def describe(self, manifests: Mapping[bytes, Mapping[str, Any]]) -> None:
-        """Take these namespaces (digest -> manifest, kvtier.manifest) as this process's own: ``entries()``
+        """Take these namespaces (digest -> manifest, kvtier.tiers.manifest) as this process's own: ``entries()``
         lists their records, evictions may take them, and each gets its manifest."""
         spaces = [bytes(d) for d in manifests]
         self._shared.described.update({bytes(d): dict(m) for d, m in manifests.items()})

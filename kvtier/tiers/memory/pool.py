@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from kvtier.control.metrics import Timer
 from kvtier.errors import TierUnavailable
-from kvtier.keys import Key
-from kvtier.metrics import Timer
+from kvtier.records.keys import Key
 from kvtier.tiers.base import Tier
 from kvtier.tiers.memory.slots import SlotPool
 

@@ -5,7 +5,7 @@ on the 2-core CI VM (Firecracker, no transparent huge pages) a 16 MiB put into p
 took 55 ms, the same put into backed memory 1.5 ms. A cpu tier that keeps filling (a trace with little reuse)
 paid that on every save, in the I/O loop while the engine's step waited for the save. A ``Prefaulter`` backs the
 next bytes past the mark (at most as many as the mark itself, and at most ``PREFAULT_AHEAD``) in one thread at
-the lowest CPU priority (``kvtier.runtime.background_thread``), so the faults fall into the engine's idle time.
+the lowest CPU priority (``kvtier.tiers.runtime.background_thread``), so the faults fall into the engine's idle time.
 
 ``MADV_POPULATE_WRITE`` (Linux 5.14+) faults pages in writable without writing them: contents never change, so a
 put writing the same pages at the same time is safe. Where the call is missing or refused, nothing is backed
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.runtime import background_thread
+from kvtier.tiers.runtime import background_thread
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.keys import Key
+from kvtier.records.keys import Key
 from kvtier.tiers.memory.arena import Arena
 from kvtier.tiers.memory.copies import Piece, copy_pieces
 from kvtier.tiers.memory.free_runs import FreeRuns, Run, round_up

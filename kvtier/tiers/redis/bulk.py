@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvtier import codec
 from kvtier.errors import CorruptRecord
+from kvtier.records import codec
 from kvtier.tiers.redis.resp import RespConnection, RespProtocolError
 
 if TYPE_CHECKING:  # torch is imported on first use: the catalog (kvtier purge, inspect) needs only the layout

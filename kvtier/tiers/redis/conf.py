@@ -4,7 +4,7 @@ URLs: ``redis://[user[:password]@]host:port[/db]``, ``rediss://`` (TLS), and for
 ``redis+cluster://host:port,host:port`` (or ``rediss+cluster://``, or ``cluster: true`` in the section).
 A password in the URL wins; otherwise it is read from the environment variable named by ``password_env``
 (``KVTIER_REDIS_PASSWORD``), so it never has to be in the YAML. Passwords never appear in logs or errors:
-``redact`` (``kvtier.config_parse.redact_url``, re-exported here) replaces them with ``***``.
+``redact`` (``kvtier.config.parse.redact_url``, re-exported here) replaces them with ``***``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from kvtier.config import RedisTierConfig
-from kvtier.config_parse import redact_url
+from kvtier.config.parse import redact_url
 from kvtier.errors import ConfigError
 
 _SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True),

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kvtier import codec
 from kvtier.errors import CorruptRecord
+from kvtier.records import codec
 from kvtier.tiers.redis.bulk import HEAD_PROBE, GetResult, length_from_probe, part_name, parts_of
 
 

@@ -4,7 +4,7 @@ Lifecycle: ``RedisTier(section)`` -> ``await start()`` (connects, checks credent
 ``TierUnavailable`` naming the tier; an unreachable server only logs, its calls are misses until it answers)
 -> ``contains`` / ``get`` / ``put`` / ``delete`` -> ``await close()``.
 
-Keys are ``{key_prefix}:{namespace digest hex}:{chunk hash hex}``; values are ``kvtier.codec`` records. A record
+Keys are ``{key_prefix}:{namespace digest hex}:{chunk hash hex}``; values are ``kvtier.records.codec`` records. A record
 of 4 MiB or more is stored in parts of 2-4 MiB, the head under that key and part k under ``{<key>}:k`` (same
 cluster slot), because Redis's allocator makes values above 8 MiB cost about three times more server CPU
 (``.bulk`` has the details). Small commands (EXISTS, DEL, PING) and cluster routing use redis-py. Record
@@ -14,7 +14,7 @@ sockets per server (per cluster node). With ``rediss://`` everything goes throug
 same layout.
 
 Failures never reach the caller: a timeout, a connection error or a server error is a miss (``False`` /
-``None``), counted in ``stats()`` (``errors``, ``timeouts``; ``kvtier.metrics.RedisStats``: breaker state /
+``None``), counted in ``stats()`` (``errors``, ``timeouts``; ``kvtier.control.metrics.RedisStats``: breaker state /
 opens / rejected calls, server error replies, slot-map reloads). ``timeout`` bounds a whole EXISTS / DEL round
 and, for record transfers (which may move gigabytes), every wait for the server without progress. A circuit
 breaker stops calling a server after ``breaker_failures`` consecutive failures: calls then miss at once, and one
@@ -43,12 +43,12 @@ from typing import Any, TypeVar
 import torch
 from redis.exceptions import RedisError
 
-from kvtier import codec
 from kvtier.config import RedisTierConfig
+from kvtier.control.metrics import RedisStats, Timer
 from kvtier.errors import TierUnavailable
-from kvtier.keys import Key
 from kvtier.layout import dtype_name
-from kvtier.metrics import RedisStats, Timer
+from kvtier.records import codec
+from kvtier.records.keys import Key
 from kvtier.tiers.base import Tier
 from kvtier.tiers.memory.recycle import Recycler
 from kvtier.tiers.redis import plain as redis_plain
@@ -217,7 +217,7 @@ class RedisTier(Tier):
 
     def describe(self, manifests: Mapping[bytes, Mapping[str, Any]]) -> None:
         """SET ``{key_prefix}:manifest:{namespace hex}`` per namespace for ``kvtier stats``, in the background."""
-        from kvtier.catalog.manifest import publish
+        from kvtier.tiers.catalog_manifest import publish
 
         publish(self, manifests)
 

@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from contract import rand
 
 from kvtier.config import DiskTierConfig
-from kvtier.keys import Namespace
-from kvtier.manifest import manifest_of
+from kvtier.records.keys import Namespace
 from kvtier.tiers.disk import ledger
 from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.manifest import manifest_of
 
 
 def key_of(digest: bytes, i: int) -> bytes:

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.codec import HEADER_SIZE
 from kvtier.config import DiskTierConfig
-from kvtier.keys import Namespace
-from kvtier.manifest import manifest_of
+from kvtier.records.codec import HEADER_SIZE
+from kvtier.records.keys import Namespace
 from kvtier.tiers.disk.ledger import LEDGER_NAME
 from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.manifest import manifest_of
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

@@ -1,0 +1,303 @@
+"""Control plane: which chunk lives in which tier, space reservations, pins and eviction. No tensors.
+
+Lifecycle of a chunk in one tier::
+
+    prepare_store(tier, [(key, size, parent)])  -> plans; the key is PENDING, its space reserved,
+                                                   victims chosen by the tier's policy (READY, unpinned)
+    complete_store(tier, keys, success)        -> READY (visible to lookup) or forgotten
+    touch / pin / unpin                         -> hits refresh the policy; pins protect in-flight reads
+    remove(tier, keys)                          -> gone (deleted, corrupt, failed load)
+
+A plan list is executed in order by whoever holds the bytes (``TieredStore.execute``): each plan first
+drops its ``evicted`` keys from its tier, then writes ``store`` (from the engine, or moved from ``source``
+for write-back demotion). Shared tiers (Redis) are not tracked: their plans store everything, evict nothing.
+All methods take one lock, so a scheduler thread and an I/O thread may share a directory. Its counters
+(``stats``, a ``kvtier.control.metrics.DirectoryStats``) count the lookups it answers and the evictions it chooses.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvtier.control.events import EventKind, EventLog
+from kvtier.control.metrics import DirectoryStats
+from kvtier.control.policy import EvictionPolicy
+from kvtier.records.keys import Key
+
+
+class ChunkState(Enum):
+    PENDING = 1
+    READY = 2
+
+
+@dataclass(frozen=True)
+class TierSlot:
+    """One tier as the directory sees it."""
+
+    name: str
+    capacity_bytes: int
+    policy: EvictionPolicy
+    shared: bool = False
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Store ``store`` in ``tier`` after dropping ``evicted`` from it; ``source``: move from that tier."""
+
+    tier: str
+    store: tuple[Key, ...]
+    evicted: tuple[Key, ...] = ()
+    source: str | None = None
+
+
+@dataclass
+class _Entry:
+    size: int
+    state: ChunkState
+    pins: int = 0
+    parent: Key | None = None  # kept so a demoted chunk keeps its prefix structure in the next tier
+
+
+@dataclass
+class _TierIndex:
+    slot: TierSlot
+    entries: dict[Key, _Entry] = field(default_factory=dict)
+    used: int = 0
+    protected: set[Key] = field(default_factory=set)  # pinned or pending: never evicted
+
+    def ready(self, key: Key) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.state is ChunkState.READY
+
+    def drop(self, key: Key) -> bool:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return False
+        self.used -= entry.size
+        self.protected.discard(key)
+        self.slot.policy.remove(key)
+        return True
+
+    def refresh(self, key: Key, entry: _Entry) -> None:
+        if entry.pins or entry.state is ChunkState.PENDING:
+            self.protected.add(key)
+        else:
+            self.protected.discard(key)
+
+
+class Directory:
+    """Bookkeeping of every local tier, in tier order (fastest first)."""
+
+    def __init__(self, tiers: Sequence[TierSlot]) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tier names in {names}")
+        self._tiers = {t.name: _TierIndex(t) for t in tiers}
+        self._order = names
+        self._lock = threading.RLock()
+        self.stats = DirectoryStats()
+        self.events: EventLog | None = None  # set to record what enters and leaves each tier (kvtier.control.events)
+
+    def _emit(self, kind: EventKind, tier: str, keys: Iterable[Key]) -> None:
+        if self.events is not None:
+            self.events.add(kind, tier, keys)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self._order)
+
+    def is_shared(self, tier: str) -> bool:
+        return self._tiers[tier].slot.shared
+
+    def lookup(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> list[str]:
+        """Tier name (fastest first) holding each chunk of the longest READY prefix in local tiers."""
+        names = [n for n in (tiers or self._order) if not self._tiers[n].slot.shared]
+        indexes = [self._tiers[n] for n in names]
+        found: list[str] = []
+        with self._lock:
+            for key in keys:
+                for index in indexes:
+                    if index.ready(key):
+                        found.append(index.slot.name)
+                        break
+                else:
+                    break
+            self.stats.lookups += len(keys)
+            self.stats.hits += len(found)
+        return found
+
+    def count_unplaced(self, n: int) -> None:
+        """Chunks a placement (kvtier.control.planner) could put in no tier of their chain."""
+        with self._lock:
+            self.stats.unplaced += n
+
+    def contains(self, tier: str, key: Key) -> bool:
+        with self._lock:
+            return self._tiers[tier].ready(key)
+
+    def holds(self, tier: str, key: Key) -> bool:
+        """Whether ``tier`` has ``key`` ready or reserved for a write in flight (placement must not write it
+        elsewhere: a write-back chunk lives in one tier until it is demoted)."""
+        with self._lock:
+            return key in self._tiers[tier].entries
+
+    def parent(self, tier: str, key: Key) -> Key | None:
+        """The parent ``key`` was stored with in ``tier`` (None: none, or not there)."""
+        with self._lock:
+            entry = self._tiers[tier].entries.get(key)
+            return entry.parent if entry is not None else None
+
+    def ready_keys(self, tier: str) -> list[Key]:
+        """The READY keys of ``tier``, in the order they were stored (a prefix's head before its tail)."""
+        with self._lock:
+            return [k for k, e in self._tiers[tier].entries.items() if e.state is ChunkState.READY]
+
+    def used_bytes(self, tier: str) -> int:
+        return self._tiers[tier].used
+
+    def __len__(self) -> int:
+        return sum(len(t.entries) for t in self._tiers.values())
+
+    def touch(self, tier: str, keys: Iterable[Key]) -> None:
+        index = self._tiers[tier]
+        with self._lock:
+            for key in keys:
+                if index.ready(key):
+                    index.slot.policy.touch(key)
+
+    def pin(self, tier: str, keys: Iterable[Key]) -> None:
+        index = self._tiers[tier]
+        with self._lock:
+            for key in keys:
+                entry = index.entries.get(key)
+                if entry is not None:
+                    entry.pins += 1
+                    index.protected.add(key)
+
+    def unpin(self, tier: str, keys: Iterable[Key]) -> None:
+        index = self._tiers[tier]
+        with self._lock:
+            for key in keys:
+                entry = index.entries.get(key)
+                if entry is not None and entry.pins:
+                    entry.pins -= 1
+                    index.refresh(key, entry)
+
+    def prepare_store(self, tier: str, entries: Sequence[tuple[Key, int, Key | None]],
+                      demote_chain: Sequence[str] = ()) -> list[StorePlan]:
+        """Reserve space in ``tier`` for the keys it lacks; return plans in execution order.
+
+        With a ``demote_chain`` (write-back), victims are moved to the next tier of the chain instead of
+        dropped, recursively. Keys already present or pending are skipped; keys that cannot fit are left out.
+        """
+        with self._lock:
+            return self._prepare(tier, [(k, s, p, None) for k, s, p in entries], list(demote_chain))
+
+    def _prepare(self, tier: str, entries: list[tuple[Key, int, Key | None, str | None]],
+                 chain: list[str]) -> list[StorePlan]:
+        index = self._tiers[tier]
+        if index.slot.shared:
+            return self._group_plans(tier, [(k, src) for k, _, _, src in entries], [])
+        stored: list[tuple[Key, str | None]] = []
+        evicted: list[tuple[Key, int, Key | None]] = []
+        for key, size, parent, source in entries:
+            if key in index.entries:
+                continue
+            if size > index.slot.capacity_bytes or not self._make_room(index, size, evicted):
+                self.stats.refused += 1
+                continue
+            index.entries[key] = _Entry(size, ChunkState.PENDING, parent=parent)
+            index.protected.add(key)
+            index.used += size
+            index.slot.policy.insert(key, parent)
+            stored.append((key, source))
+        plans: list[StorePlan] = []
+        evicted_keys = [k for k, _, _ in evicted]
+        if chain and evicted:
+            self.stats.demotions += len(evicted)
+            plans = self._prepare(chain[0], [(k, s, p, tier) for k, s, p in evicted], chain[1:])
+        return plans + self._group_plans(tier, stored, evicted_keys)
+
+    def _make_room(self, index: _TierIndex, size: int, evicted: list[tuple[Key, int, Key | None]]) -> bool:
+        capacity = index.slot.capacity_bytes
+        if index.used + size <= capacity:
+            return True
+        protected = index.protected
+        while index.used + size > capacity:
+            victims = index.slot.policy.evict(1, protected)
+            if not victims:
+                return False
+            victim = victims[0]
+            entry = index.entries.pop(victim)
+            index.used -= entry.size
+            evicted.append((victim, entry.size, entry.parent))
+            self._emit(EventKind.REMOVED, index.slot.name, (victim,))
+            self.stats.evictions += 1
+            by_tier = self.stats.evictions_by_tier
+            by_tier[index.slot.name] = by_tier.get(index.slot.name, 0) + 1
+        return True
+
+    @staticmethod
+    def _group_plans(tier: str, stored: list[tuple[Key, str | None]], evicted: list[Key]) -> list[StorePlan]:
+        """One plan per source (engine or a source tier), the evictions on the first."""
+        sources: dict[str | None, list[Key]] = {}
+        for key, source in stored:
+            sources.setdefault(source, []).append(key)
+        if not sources:
+            return [StorePlan(tier, (), tuple(evicted))] if evicted else []
+        plans = []
+        for i, (source, keys) in enumerate(sources.items()):
+            plans.append(StorePlan(tier, tuple(keys), tuple(evicted) if i == 0 else (), source))
+        return plans
+
+    def complete_store(self, tier: str, keys: Iterable[Key], success: bool | Sequence[bool] = True) -> None:
+        """Mark pending keys READY, or forget them when their write failed."""
+        index = self._tiers[tier]
+        keys = list(keys)
+        flags = [success] * len(keys) if isinstance(success, bool) else list(success)
+        if index.slot.shared:
+            self._emit(EventKind.STORED, tier, [k for k, ok in zip(keys, flags, strict=True) if ok])
+            return
+        ready: list[Key] = []
+        with self._lock:
+            for key, ok in zip(keys, flags, strict=True):
+                entry = index.entries.get(key)
+                if entry is None or entry.state is ChunkState.READY:
+                    continue
+                if ok:
+                    entry.state = ChunkState.READY
+                    index.refresh(key, entry)
+                    ready.append(key)
+                else:
+                    index.drop(key)
+            self._emit(EventKind.STORED, tier, ready)
+
+    def remove(self, tier: str, keys: Iterable[Key]) -> int:
+        index = self._tiers[tier]
+        dropped, announced = 0, []
+        with self._lock:
+            for key in keys:
+                ready = index.ready(key)  # a chunk still being written was never announced
+                if index.drop(key):
+                    dropped += 1
+                    if ready:
+                        announced.append(key)
+            self._emit(EventKind.REMOVED, tier, announced)
+        return dropped
+
+    def adopt(self, tier: str, entries: Iterable[tuple[Key, int]]) -> int:
+        """Take over records a persistent tier already holds (READY), as far as capacity allows."""
+        index = self._tiers[tier]
+        adopted = 0
+        with self._lock:
+            for key, size in entries:
+                if key in index.entries or index.used + size > index.slot.capacity_bytes:
+                    continue
+                index.entries[key] = _Entry(size, ChunkState.READY)
+                index.used += size
+                index.slot.policy.insert(key, None)
+                adopted += 1
+        return adopted

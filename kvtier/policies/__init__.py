@@ -1,1 +1,0 @@
-"""Eviction policy implementations; import them through ``kvtier.policy`` (registry, ``make_policy``)."""

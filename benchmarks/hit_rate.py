@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtier.bench import hitrate
+from kvtier.bench import hitrate, hitrate_cli
 from kvtier.bench.measure import machine_info, write_json
 from kvtier.bench.workloads import GENERATORS, Workload, load_mooncake
 from kvtier.control.policy import EvictionPolicy, make_policy
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return cost()
     parser = argparse.ArgumentParser(prog="benchmarks/hit_rate.py", description=hitrate.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    hitrate.add_arguments(parser)
-    return hitrate.run(parser.parse_args(argv or DEFAULTS))
+    hitrate_cli.add_arguments(parser)
+    return hitrate_cli.run(parser.parse_args(argv or DEFAULTS))
 
 
 if __name__ == "__main__":

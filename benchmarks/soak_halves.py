@@ -22,10 +22,10 @@ from typing import Any
 from benchmarks.soak_faults import FaultInjector
 from kvtier.config import KvtierConfig
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVTransferConfig
 from kvtier.connector.worker.half import WorkerHalf
 from kvtier.control.directory import ChunkState, Directory
 from kvtier.engine import Engine, EngineArgs, KVTierPair
+from kvtier.engine.types import KVTransferConfig
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.memory.pool import PoolTier
 from kvtier.tiers.runtime import LoopThread
@@ -115,7 +115,7 @@ def worker_bounds(target: Target, wait_s: float, grace_s: float) -> Iterator[Non
 def residue(target: Target) -> tuple[int, int]:
     """(pinned, pending) chunks left in the directory once the idle engine has persisted its cpu chunks: a copy to
     disk waits, PENDING there, until the engine has computed nothing for ``policy.persist_after_idle``
-    (kvtier.store.persist), so the count is taken when none is left or that time and ``SETTLE_S`` have passed. With
+    (kvtier.control.persist), so the count is taken when none is left or that time and ``SETTLE_S`` have passed. With
     split halves the directory learns that a copy landed from a worker report, which comes with an engine step, and an
     idle engine runs none: empty steps stand for the next request's."""
     deadline = time.monotonic() + float(getattr(target.cfg.policy, "persist_after_idle", 0.0)) + SETTLE_S

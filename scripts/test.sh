@@ -23,7 +23,7 @@ check_setup() {
   missing=$("$PY" -c '
 import importlib, importlib.util
 out = []
-for name in ("pytest", "ruff", "mypy", "torch", "redis"):
+for name in ("pytest", "ruff", "mypy", "importlinter", "torch", "redis"):
     if importlib.util.find_spec(name) is None:
         out.append(name)
         continue

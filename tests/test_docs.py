@@ -202,7 +202,7 @@ def _check_script(script: Path, args: list[str]) -> None:
     if "--cost" in text and args == ["--cost"]:
         return
     wrapped = re.search(r'main\(\["bench", "([\w-]+)"', text)
-    if wrapped or "hitrate.add_arguments" in text:
+    if wrapped or "hitrate_cli.add_arguments" in text:
         _check_kvtier(["bench", wrapped.group(1) if wrapped else "hit-rate", *args])
         return
     for arg in args:

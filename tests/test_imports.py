@@ -22,7 +22,7 @@ def test_import_kvtier_loads_no_heavy_dependency() -> None:
     code = (
         "import sys, json, kvtier, kvtier.config, kvtier.store.tiered, kvtier.control.directory, kvtier.control.policy, kvtier.records.codec, "
         "kvtier.connector.base, kvtier.connector.factory, kvtier.tiers, kvtier.ops.cli, kvtier.layout.geometry, "
-        "kvtier.layout, kvtier.layout.pages, kvtier.connector.tiered, kvtier.connector.multi, kvtier.connector.settings\n"
+        "kvtier.layout, kvtier.kvcopy.pages, kvtier.connector.tiered, kvtier.connector.multi, kvtier.connector.settings\n"
         "kvtier.load_config({'tiers': [{'name': 'cpu', 'kind': 'cpu', 'capacity': '1MiB'}]}, env={})\n"
         f"print(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))"
     )

@@ -92,7 +92,7 @@ def test_test_sh_names_what_the_venv_lacks_before_pytest(tmp_path: Path) -> None
     subprocess.run([str(base), "-m", "venv", "--without-pip", str(repo / ".venv")], check=True, timeout=120)
     proc = _run(repo, "test.sh", env={"KVTIER_SKIP_E2E": "1"})
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout  # nothing ran: no ruff, no pytest
-    assert proc.stderr == "test.sh: error: .venv lacks pytest, ruff, mypy, torch, redis: run 'bash scripts/bootstrap.sh'\n"
+    assert proc.stderr == "test.sh: error: .venv lacks pytest, ruff, mypy, importlinter, torch, redis: run 'bash scripts/bootstrap.sh'\n"
 
 
 def _broken_vllm_venv(repo: Path, tmp_path: Path) -> None:

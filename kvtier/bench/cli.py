@@ -17,7 +17,7 @@ HELP = ("run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overh
         "serve, fingerprint, copy")
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "hit-rate": ("kvtier.bench.hitrate", "token hit rate of each eviction policy on a trace or workload"),
+    "hit-rate": ("kvtier.bench.hitrate_cli", "token hit rate of each eviction policy on a trace or workload"),
     "throughput": ("kvtier.bench.throughput", "store/load GB/s of each tier beside the raw limit of its medium"),
     "ttft": ("kvtier.bench.ttft", "time to first token on the reference engine, no cache vs each tier"),
     "overhead": ("kvtier.bench.overhead", "scheduler-side cost per request when nothing is reused"),

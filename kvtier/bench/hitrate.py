@@ -13,7 +13,6 @@ input length) over the sum of input lengths.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,23 +239,9 @@ def bars(docs: Sequence[dict[str, Any]], policy: str) -> list[dict[str, Any]]:
     return out
 
 
-# ---- command line: kvtier.bench.hitrate_cli, imported when called (it imports this module) -------------------
+# ---- what the command line (kvtier.bench.hitrate_cli) and the other benchmarks take as defaults ---------------
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
 TRACE_SOURCE = ("github.com/kvcache-ai/Mooncake, file FAST25-release/traces/conversation_trace.jsonl, saved as "
                 "benchmarks/traces/mooncake_conversation_trace.jsonl; a clone of kvtier has it")
 DEFAULT_POLICY = PolicyConfig().eviction
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``kvtier bench hit-rate`` (kvtier.bench.hitrate_cli)."""
-    from kvtier.bench import hitrate_cli
-
-    hitrate_cli.add_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Replay, print the table, write the JSON and the chart (kvtier.bench.hitrate_cli)."""
-    from kvtier.bench import hitrate_cli
-
-    return hitrate_cli.run(args)

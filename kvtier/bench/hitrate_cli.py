@@ -1,11 +1,17 @@
-"""Command line of ``kvtier bench hit-rate``: its options, the workload and sweep they name, the chart, and where
-the results go.
+"""Hit-rate replay, ``kvtier bench hit-rate``: a workload through kvtier's own directory and policies.
 
-kvtier bench's table names :mod:`kvtier.bench.hitrate`, whose ``add_arguments`` and ``run`` hand on to this
-module. Results follow :mod:`kvtier.bench.output`, as every benchmark's do: ``hit_rate.json``
-(``hit_rate-quick.json`` with ``--quick``) in ``--out DIR`` (default ``./benchmarks/results``; with ``--quick``
-``./kvtier-results``) or at ``--json FILE``, always; the chart beside it, or at ``--plot FILE``, unless
-``--no-plot``; one ``results:`` line names them.
+Chunk by chunk, without moving bytes: an hour-long trace replays in seconds. Results: ``hit_rate.json`` (always)
+and its chart in ``--out DIR`` (default ``./benchmarks/results``; ``./kvtier-results`` with ``--quick``), or at
+``--json FILE`` / ``--plot FILE``.
+
+Semantics: a request hits the longest prefix of its chunks held by any tier (each hit chunk is attributed to
+the tier holding it); then all its chunks are inserted (misses) or touched (hits) in prefix order. New and
+promoted chunks go to tier 0; a tier that is full asks its policy for a victim, which is demoted to the next
+tier (exclusive tiers) or dropped from the last one. Token hit rate = sum of min(hit chunks x chunk tokens,
+input length) over the sum of input lengths.
+
+This module is the command line (its options, the workload and sweep they name, the chart, where the results
+go); the replay itself is :mod:`kvtier.bench.hitrate`.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def measure(settings: Settings, progress: bool = True) -> list[dict[str, Any]]:
 def measure_length(s: Settings, length: int, ns: bytes, conn: Any, empty: Any, full: Any) -> dict[str, Spread]:
     """Seconds per request of hashing, lookups (empty and populated directory) and the connector's miss,
     interleaved round by round."""
-    from kvtier.connector.types import Request
+    from kvtier.engine.types import Request
     from kvtier.records.keys import chunk_keys
 
     inputs = prompts(s.calls, length, seed=length)

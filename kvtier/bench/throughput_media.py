@@ -25,7 +25,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -44,11 +44,9 @@ from kvtier.bench.measure import (
     touched,
 )
 from kvtier.bench.redis_servers import redis_server
+from kvtier.bench.throughput_run import Runner, Settings
 from kvtier.errors import KvtierError
 from kvtier.tiers.disk.io import READ_STREAMS, SMALL_RECORD
-
-if TYPE_CHECKING:
-    from kvtier.bench.throughput import Runner, Settings
 
 
 def raw_write(path: str, chunk: torch.Tensor, fsync: bool) -> None:

@@ -49,6 +49,9 @@ from kvtier.config.parse import (
     unwrap,
 )
 from kvtier.config.tree import (
+    EVICTION_POLICIES,
+    MEMORY_KINDS,
+    WEIGHT_MODES,
     CpuTierConfig,
     DiskTierConfig,
     GpuTierConfig,
@@ -66,9 +69,25 @@ from kvtier.errors import ConfigError
 from kvtier.layout import GroupKind
 
 __all__ = [  # the loader, and the tree's names (importable from here as before the tree had a module of its own)
-    "DEFAULT_CONFIG", "ENGINE_ONLY_KEYS", "CpuTierConfig", "DiskTierConfig", "GpuTierConfig", "KvtierConfig",
-    "NamespaceConfig", "PolicyConfig", "RedisTierConfig", "SecurityConfig", "TierConfig", "TierKind", "WritePolicy",
-    "build_config", "config_to_dict", "load_config",
+    "DEFAULT_CONFIG",
+    "ENGINE_ONLY_KEYS",
+    "EVICTION_POLICIES",
+    "MEMORY_KINDS",
+    "WEIGHT_MODES",
+    "CpuTierConfig",
+    "DiskTierConfig",
+    "GpuTierConfig",
+    "KvtierConfig",
+    "NamespaceConfig",
+    "PolicyConfig",
+    "RedisTierConfig",
+    "SecurityConfig",
+    "TierConfig",
+    "TierKind",
+    "WritePolicy",
+    "build_config",
+    "config_to_dict",
+    "load_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,7 +109,6 @@ TIER_CLASSES: dict[TierKind, type[TierConfig]] = {
     TierKind.GPU: GpuTierConfig, TierKind.CPU: CpuTierConfig,
     TierKind.DISK: DiskTierConfig, TierKind.REDIS: RedisTierConfig,
 }
-MEMORY_KINDS = frozenset({TierKind.GPU, TierKind.CPU})
 COMPRESSIONS = ("none", "lz4", "zstd")
 SIZE_FIELDS = frozenset({"capacity", "slot_bytes", "save_backlog"})
 DURATION_FIELDS = frozenset({"ttl", "timeout", "connect_timeout", "breaker_backoff", "persist_after_idle",
@@ -185,12 +203,8 @@ def _field_value(name: str, annotation: str, value: Any, path: str, env: Mapping
     if name in PATH_FIELDS:
         return expand_path(value, path, env)
     if name == "eviction":
-        from kvtier.control.policy import POLICIES  # at validation time: policies register themselves there
-
-        return choice(value, path, POLICIES, "eviction policy")
+        return choice(value, path, EVICTION_POLICIES, "eviction policy")
     if name == "weights":
-        from kvtier.records.fingerprint import WEIGHT_MODES
-
         return choice(value, path, WEIGHT_MODES, "weights fingerprint mode")
     if name == "compression":
         text = choice(value, path, COMPRESSIONS, "compression")

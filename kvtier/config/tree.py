@@ -13,12 +13,20 @@ from typing import Any
 from kvtier.config.layers import plain_fields
 from kvtier.layout import GroupKind
 
+# The names the config accepts where code of a higher layer implements them (kvtier.control.policy.POLICIES,
+# kvtier.records.fingerprint); tests/control/test_policy.py checks that they serve exactly these.
+EVICTION_POLICIES = ("lru", "prefix_lru", "arc", "s3fifo", "prefix_hd", "adaptive")
+WEIGHT_MODES = ("auto", "stat", "content", "off")
+
 
 class TierKind(StrEnum):
     GPU = "gpu"
     CPU = "cpu"
     DISK = "disk"
     REDIS = "redis"
+
+
+MEMORY_KINDS = frozenset({TierKind.CPU, TierKind.GPU})  # tiers that hold raw payloads in slots, gone at exit
 
 
 class WritePolicy(StrEnum):
@@ -99,7 +107,7 @@ class NamespaceConfig:
     model: str = "default"
     revision: str = "main"
     tenant: str = ""  # salt that isolates tenants sharing tiers
-    weights: str = "auto"  # how the weights join the namespace (kvtier.records.fingerprint.WEIGHT_MODES)
+    weights: str = "auto"  # how the weights join the namespace: one of WEIGHT_MODES
 
 
 @dataclass(frozen=True)

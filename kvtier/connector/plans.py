@@ -7,7 +7,7 @@ worker must leave alone (an out-of-window sliding-window block, or one the engin
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvtier.connector.base import KVConnectorMetadata
 from kvtier.control.directory import StorePlan
@@ -67,3 +67,23 @@ def chunk_blocks(block_ids: Sequence[Sequence[int]], group: int, chunk: int, per
     if len(ids) < per_chunk or NULL_BLOCK in ids:
         return None
     return ids
+
+
+@dataclass
+class PersistingMetadata(KVTierMetadata):
+    """A step's plans (``KVTierMetadata``) and its persisting plans: copies of memory chunks (``source`` a memory
+    tier) and the demotions of their victims, in execution order."""
+
+    persists: list[StorePlan] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, meta: KVTierMetadata, persists: list[StorePlan]) -> PersistingMetadata:
+        return cls(**{f.name: getattr(meta, f.name) for f in fields(meta)}, persists=persists)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not self.persists
+
+
+def persists_of(meta: object) -> list[StorePlan]:
+    """The persisting plans a step's metadata carries (none in plain ``KVTierMetadata``)."""
+    return list(meta.persists) if isinstance(meta, PersistingMetadata) else []

@@ -119,7 +119,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         self._sched_deltas = Deltas()
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
-        self._persist_plans: PersistPlanner | None = None  # copies of memory chunks to disk (kvtier.store.persist)
+        self._persist_plans: PersistPlanner | None = None  # copies of memory chunks to disk (kvtier.control.persist)
         self._persister: Persister | None = None
         try:
             if is_scheduler(role):
@@ -173,7 +173,8 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
     def _build_worker(self, cfg: KvtierConfig, kcc: KVCacheConfig | None) -> WorkerHalf:
         from kvtier.connector.worker.half import WorkerHalf  # torch: only worker processes import it
 
-        # rank 0 stores under the scheduler's keys as shipped; other ranks key their own shards (kvtier.keying)
+        # rank 0 stores under the scheduler's keys as shipped; other ranks key their own shards
+        # (kvtier.connector.keying)
         ident = identity_from(cfg, self._engine, tp_rank=self._worker_tp_rank(), fingerprinted=False)
         if ident.tp_rank != 0 and prefix_resume_blocker(self._engine, cfg.serve_without_prefix_caching) is None:
             ident = identity_from(cfg, self._engine, tp_rank=ident.tp_rank)

@@ -39,12 +39,9 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from kvtier.layout.geometry import NULL_BLOCK
-
-if TYPE_CHECKING:
-    from kvtier.tiers.base import Tier
 
 Numbers = dict[str, float]
 TimedOp = Literal["get_seconds", "put_seconds"]
@@ -341,7 +338,18 @@ def hit_tokens(c: WorkerCounts, chunk_size: int) -> Numbers:
     return {f"loaded_tokens:{tier}:{group}": n for (tier, group), n in c.tokens_by_tier_group.items()}
 
 
-def tier_gauges(tiers: Mapping[str, Tier], rank: int = 0) -> Numbers:
+class Gauged(Protocol):
+    """What ``tier_gauges`` reads of a tier (kvtier.tiers.base.Tier has it): its level, its size and its stats."""
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    def used_bytes(self) -> int: ...
+
+    def stats(self) -> object: ...
+
+
+def tier_gauges(tiers: Mapping[str, Gauged], rank: int = 0) -> Numbers:
     """What each tier holds now, ``gauge:<what>:<tier>:<rank>``: used and capacity bytes, and a Redis tier's
     breaker state (per rank: ranks' gauges are never summed into one)."""
     out: Numbers = {}

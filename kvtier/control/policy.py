@@ -34,6 +34,7 @@ __all__ = [
     "make_policy",
 ]
 
+# the names are the config's (kvtier.config.tree.EVICTION_POLICIES), which validates them without importing this
 POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "prefix_lru": PrefixLRUPolicy,

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole, KVConnectorStats
-from kvtier.connector.types import CacheConfig, EngineConfig, KVTransferConfig
 from kvtier.engine.kv_cache import KVCacheManager, allocate_kv_caches, build_kv_cache_config
 from kvtier.engine.model import ModelConfig, TinyTransformer
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import EngineRequest, RequestStatus, Scheduler, SchedulerConfig
+from kvtier.engine.types import CacheConfig, EngineConfig, KVTransferConfig
 from kvtier.layout import KVCacheConfig, SlidingWindowSpec
 
 logger = logging.getLogger(__name__)

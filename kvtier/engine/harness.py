@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from kvtier.connector.types import KVTransferConfig
 from kvtier.engine.core import ConnectorBuilder, Engine, EngineArgs, RequestSpec
 from kvtier.engine.scheduler import EngineRequest
+from kvtier.engine.types import KVTransferConfig
 from kvtier.engine.workload import shared_prefix_waves
 
 BF16_TOLERANCE = 0.05  # absolute, on logits of order 1; bfloat16 runs are exact in practice, this is a bound

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from kvtier.connector.base import KVConnectorBase
-from kvtier.connector.types import KVConnectorOutput, Request, SchedulerOutput
 from kvtier.engine.kv_cache import KVCacheManager
 from kvtier.engine.model import KEY_BLOCK, TILE, BatchMeta, GroupAttention, TinyTransformer
 from kvtier.engine.recurrent import StateBatch
 from kvtier.engine.scheduler import RunnerOutput
+from kvtier.engine.types import KVConnectorOutput, Request, SchedulerOutput
 from kvtier.layout.geometry import NULL_BLOCK
 
 

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from kvtier.connector.base import KVConnectorBase, supports_hma
-from kvtier.connector.types import (
+from kvtier.engine.kv_cache import KVCacheManager
+from kvtier.engine.types import (
     KVCacheBlocks,
     KVConnectorBlockState,
     KVConnectorOutput,
@@ -39,7 +40,6 @@ from kvtier.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvtier.engine.kv_cache import KVCacheManager
 from kvtier.errors import ConnectorError
 
 

@@ -1,5 +1,5 @@
 """Copies of the ``pages`` layout (vLLM >= 0.32): layers are ``[blocks, *page]`` page views
-(:func:`kvtier.layout.pages.page_view`), a chunk's payload is ``[L, blocks, *page]``.
+(:func:`kvtier.kvcopy.pages.page_view`), a chunk's payload is ``[L, blocks, *page]``.
 
 Whole pages move: slice copies over runs of consecutive blocks where the block ids allow (an engine allocates a
 request's blocks mostly in order), else index ops; a page that is one dense run of memory moves as one row of

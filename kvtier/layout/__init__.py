@@ -10,12 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvtier.layout.geometry import canonical_layout
-
-if TYPE_CHECKING:
-    from kvtier.connector.settings import EngineSettings
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -265,7 +262,17 @@ def _packing(spec: Any) -> dict[str, int | None]:
             "content_bytes": number("state_content_bytes")}
 
 
-def from_vllm(kv_cache_config: Any, engine: EngineSettings | None = None) -> KVCacheConfig:
+class EngineLayout(Protocol):
+    """What ``from_vllm`` reads of the engine's settings (kvtier.connector.settings.EngineSettings has it)."""
+
+    @property
+    def kv_cache_layout(self) -> Any: ...
+
+    @property
+    def device_type(self) -> str | None: ...
+
+
+def from_vllm(kv_cache_config: Any, engine: EngineLayout | None = None) -> KVCacheConfig:
     """Convert a vLLM ``KVCacheConfig`` (any version with ``kv_cache_groups``) to kvtier's model, its layout
     resolved once for the whole start: the ``KVCacheLayout`` on the KV-cache config (vLLM >= 0.32), else the
     cache config's, by canonical name (:func:`kvtier.layout.geometry.canonical_layout`). Given the engine's settings

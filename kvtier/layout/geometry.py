@@ -1,7 +1,7 @@
 """Geometry of an engine's paged KV tensors, torch-free: block ids, layouts, stride orders and shapes.
 
 Everything here computes ids, axes or shapes from plain numbers; the copy modules (:mod:`kvtier.kvcopy`) and
-:mod:`kvtier.layout.pages` apply the results to tensors. The scheduler half, which never touches tensors, uses this
+:mod:`kvtier.kvcopy.pages` apply the results to tensors. The scheduler half, which never touches tensors, uses this
 module alone.
 
 A group's layers each own one paged tensor in one of these layouts (:class:`KVLayout`):
@@ -10,7 +10,7 @@ A group's layers each own one paged tensor in one of these layouts (:class:`KVLa
 * ``blocks_first`` ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
 * ``mla``          ``[num_blocks, block_size, head_size]`` (one latent vector per token, no K/V split)
 * ``pages``        ``[num_blocks, *page]``: vLLM >= 0.32 (one page per block, in the page's memory order; built
-                   by :func:`kvtier.layout.pages.page_view` from the engine's ``[B, H, N, C]`` views and layout)
+                   by :func:`kvtier.kvcopy.pages.page_view` from the engine's ``[B, H, N, C]`` views and layout)
 
 vLLM >= 0.32 hands each layer a 4-D view ``[B, H, N, C]`` whose physical axis order is the engine's resolved
 ``KVCacheLayout``, one of :data:`STRIDE_ORDERS` over ``[L, B, H, N, C]``. The attention backend may split each
@@ -77,7 +77,7 @@ def block_axis(layout: KVLayout) -> int:
 def block_size_of(tensor: Shaped | Sequence[int], layout: KVLayout) -> int:
     """Tokens per block of a paged tensor (``pages``: not known from the tensor; raises)."""
     if layout is KVLayout.PAGES:
-        raise ValueError("a page view does not say its tokens per block; kvtier.layout.pages knows it")
+        raise ValueError("a page view does not say its tokens per block; kvtier.kvcopy.pages knows it")
     shape = dims(tensor)
     return shape[1] if layout is KVLayout.MLA else shape[2]
 

@@ -22,10 +22,18 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtier.config import DiskTierConfig, GpuTierConfig, KvtierConfig, RedisTierConfig, TierKind, load_config
+from kvtier.config import (
+    MEMORY_KINDS,
+    DiskTierConfig,
+    GpuTierConfig,
+    KvtierConfig,
+    RedisTierConfig,
+    load_config,
+)
 from kvtier.config.parse import format_duration, format_size
 from kvtier.errors import ConfigError
 from kvtier.layout import DTYPE_SIZES, GroupKind, KVCacheConfig, KVCacheGroupSpec, MambaSpec, dtype_name, simple_config
@@ -146,18 +154,20 @@ def _details(tier: Any) -> str:
 
 def report(cfg: KvtierConfig, shape: ModelShape, source: str) -> dict[str, Any]:
     """What ``kvtier check`` prints, as a dict."""
-    from kvtier.records.codec import HEADER_SIZE, MAC_BYTES
+    from kvtier.records.codec import record_size, stored_size
 
     chunk_payload = shape.bytes_per_token * cfg.chunk_size
-    record = chunk_payload + HEADER_SIZE + (MAC_BYTES if cfg.security.hmac_key_env else 0)
+    signed = bool(cfg.security.hmac_key_env)
+    record = record_size(chunk_payload, signed)
     state = shape.state_bytes_per_chunk
-    state_record = state + HEADER_SIZE + (MAC_BYTES if cfg.security.hmac_key_env else 0) if state else 0
+    state_record = record_size(state, signed) if state else 0
     tiers = []
     for tier in cfg.tiers:
-        # Memory tiers hold raw payloads in slots; disk and Redis hold encoded records (header + payload).
-        memory = tier.kind in (TierKind.CPU, TierKind.GPU)
-        chunks = tier.capacity // (chunk_payload if memory else record)
-        held = state if memory else state_record
+        # what a chunk and a state cost this tier: the one rule of kvtier.records.codec.stored_size
+        cost = partial(stored_size, signed=signed, memory=tier.kind in MEMORY_KINDS,
+                       slot_bytes=getattr(tier, "slot_bytes", None))
+        chunks = tier.capacity // cost(chunk_payload)
+        held = cost(state) if state else 0
         states = tier.capacity // held if held and tier.name in cfg.tiers_for(GroupKind.MAMBA) else 0
         groups = [k.value for k in GroupKind if tier.name in cfg.tiers_for(k)]
         tiers.append({"name": tier.name, "kind": tier.kind.value, "capacity_bytes": tier.capacity,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.config import ENV_RESERVED, SECTIONS, DiskTierConfig, KvtierConfig, TierKind, load_config
+from kvtier.config import ENV_RESERVED, MEMORY_KINDS, SECTIONS, DiskTierConfig, KvtierConfig, load_config
 from kvtier.config.layers import env_layer
 from kvtier.config.parse import format_size
 from kvtier.control.metrics import hits_key
@@ -100,9 +100,9 @@ def _config(args: argparse.Namespace, stack: ExitStack) -> tuple[KvtierConfig, l
         cfg = dataclasses.replace(cfg, namespace=dataclasses.replace(cfg.namespace, model="default"))
     memory = args.memory_capacity if args.memory_capacity is not None else (None if args.config else 1024**2)
     if memory is not None:
-        tiers = tuple(dataclasses.replace(t, capacity=memory) if t.kind in (TierKind.CPU, TierKind.GPU) else t
+        tiers = tuple(dataclasses.replace(t, capacity=memory) if t.kind in MEMORY_KINDS else t
                       for t in cfg.tiers)
-        names = ", ".join(t.name for t in cfg.tiers if t.kind in (TierKind.CPU, TierKind.GPU))
+        names = ", ".join(t.name for t in cfg.tiers if t.kind in MEMORY_KINDS)
         if names:
             cfg = dataclasses.replace(cfg, tiers=tiers)
             origin = "--memory-capacity" if args.memory_capacity is not None else "the demo's default"
@@ -187,7 +187,7 @@ def _cached_engine(engine_args: EngineArgs, cfg: KvtierConfig) -> Engine:
     """The engine with kvtier; a disk path that fails at start is a ConfigError naming it."""
     from kvtier.engine.core import Engine, KVTierPair
 
-    memory = sum(t.capacity for t in cfg.tiers if t.kind in (TierKind.CPU, TierKind.GPU))
+    memory = sum(t.capacity for t in cfg.tiers if t.kind in MEMORY_KINDS)
     note(f"{PROG}: opening the cache tiers ({format_size(memory)} of memory)...")
     try:
         return Engine(engine_args, KVTierPair(cfg))

@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError, TierUnavailable
-from kvtier.ops.catalog_text import add_common, codec_of, hex_arg, label, load, table, when
+from kvtier.ops.catalog import add_common, codec_of, hex_arg, label, load, table, when
 from kvtier.ops.cli import non_negative_int
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def _render_copy(e: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """List or verify; see the module docstring for exit codes."""
-    from kvtier.tiers.catalog import offline_sources
+    from kvtier.ops.catalog import offline_sources
 
     namespace = hex_arg(args.namespace, 16, "--namespace")
     keys = list(dict.fromkeys(k for k in (hex_arg(k, 32, "--key") for k in args.key or []) if k))

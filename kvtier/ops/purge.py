@@ -22,7 +22,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError, KvtierError, TierUnavailable
-from kvtier.ops.catalog_text import add_common, duration_arg, hex_arg, load, size
+from kvtier.ops.catalog import add_common, duration_arg, hex_arg, load, size
 from kvtier.tiers.catalog import IN_PROCESS
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def _lines(report: dict[str, Any], done: bool) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, confirm, delete, report; see the module docstring for exit codes."""
-    from kvtier.tiers.catalog import offline_sources
+    from kvtier.ops.catalog import offline_sources
 
     chosen = selection(args)
     with offline_sources(load(args.config), args.tier) as (live, skipped):

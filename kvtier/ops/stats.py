@@ -15,7 +15,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from kvtier.ops.catalog_text import add_common, label, load, size, table, when
+from kvtier.ops.catalog import add_common, label, load, size, table, when
 
 if TYPE_CHECKING:
     from kvtier.tiers.catalog import TierSummary
@@ -48,7 +48,8 @@ def render(config: str, summaries: list[TierSummary]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; 1 when a tier could not be read."""
-    from kvtier.tiers.catalog import open_sources, summarize
+    from kvtier.ops.catalog import open_sources
+    from kvtier.tiers.catalog import summarize
 
     cfg = load(args.config)
     summaries = []

@@ -41,6 +41,32 @@ _BODY = struct.Struct(f"<4sHHBBBB{MAX_DIMS}IQQQ{KEY_BYTES}s")
 _CHECK = struct.Struct("<Q")
 HEADER_SIZE = _BODY.size + _CHECK.size
 DEFAULT_MAX_RAW = 1 << 31
+SLOT_ALIGN = 4096  # memory tiers hold a payload in whole slots of this many bytes (kvtier.tiers.memory.slots)
+
+
+def record_size(payload_bytes: int, signed: bool) -> int:
+    """Bytes of the encoded record of a stored payload of ``payload_bytes``: the header, the MAC when ``signed``,
+    the payload."""
+    return HEADER_SIZE + (MAC_BYTES if signed else 0) + payload_bytes
+
+
+def stored_size(payload_bytes: int, *, signed: bool, memory: bool, slot_bytes: int | None = None) -> int:
+    """What one chunk of ``payload_bytes`` costs a tier, the one rule the tiers, the fit check (kvtier.records.fit)
+    and ``kvtier check`` count capacity by. Disk and Redis hold the encoded record (:func:`record_size`). A memory
+    tier (cpu, gpu) holds the raw payload in whole slots of ``slot_bytes`` (its ``slot_bytes`` setting), rounded up
+    to ``SLOT_ALIGN``; without that setting the first record stored sizes the slots, so a tier of chunks alone
+    takes one slot of the payload rounded up (a hybrid model's smaller state stored first makes chunks cost more
+    slots: set ``slot_bytes`` there)."""
+    if not memory:
+        return record_size(payload_bytes, signed)
+    if payload_bytes <= 0:
+        return 0
+    slot = _aligned(slot_bytes or payload_bytes)
+    return -(-payload_bytes // slot) * slot
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +86,7 @@ class RecordHeader:
     @property
     def prefix_len(self) -> int:
         """Bytes before the payload: header plus MAC when signed."""
-        return HEADER_SIZE + (MAC_BYTES if self.signed else 0)
+        return record_size(0, self.signed)
 
     @property
     def total_len(self) -> int:

@@ -27,7 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-WEIGHT_MODES = ("auto", "stat", "content", "off")
+from kvtier.config.tree import WEIGHT_MODES
+
 # the files an engine loads, in the order vLLM prefers them: the first kind present at the top level is the weights
 WEIGHT_KINDS = ((".safetensors",), (".bin", ".pt", ".pth"), (".gguf",), (".ckpt", ".h5", ".msgpack", ".npz"))
 # what vLLM's load formats read first (``pt`` and ``npcache`` take .bin/.pt files even beside safetensors)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from kvtier.config import MEMORY_KINDS
 from kvtier.config.parse import format_size
 from kvtier.errors import ConfigError
 from kvtier.layout import UNSERVED
-from kvtier.records.codec import HEADER_SIZE
+from kvtier.records.codec import stored_size
 
 if TYPE_CHECKING:
     from kvtier.config import KvtierConfig
@@ -34,7 +35,8 @@ def check_fit(cfg: KvtierConfig, kv_cache_config: KVCacheConfig) -> None:
                               f"use a multiple of {lcm}, e.g. {lcm * max(1, round(cfg.chunk_size / lcm))}")
     for i, tier in enumerate(cfg.tiers):
         for gid, group in enumerate(groups):
-            record = group.bytes_per_chunk(cfg.chunk_size) + HEADER_SIZE
+            record = stored_size(group.bytes_per_chunk(cfg.chunk_size), signed=bool(cfg.security.hmac_key_env),
+                                 memory=tier.kind in MEMORY_KINDS, slot_bytes=getattr(tier, "slot_bytes", None))
             if tier.name in cfg.tiers_for(group.kind) and record > tier.capacity:
                 raise ConfigError(f"tiers[{i}].capacity", f"{format_size(tier.capacity)} cannot hold one chunk "
                                   f"of group {gid} ({format_size(record)})", "raise capacity or lower chunk_size")

@@ -2,7 +2,8 @@
 
 Lifecycle: ``store = TieredStore.from_config(cfg)`` -> ``await store.start()`` (starts the tiers, adopts what
 persistent tiers already hold) -> ``lookup`` / ``get`` / ``put`` -> ``await store.close()`` (under write-back
-first copies what only memory tiers hold to disk, within ``policy.persist_at_close``: kvtier.store.persist).
+first copies what only memory tiers hold to disk, within ``policy.persist_at_close``: ``persist_memory`` below,
+with the plans of kvtier.control.persist).
 
 Control plane: ``self.directory`` (see kvtier.control.directory). Data plane: ``read`` / ``read_into`` / ``borrow`` +
 ``release`` / ``write`` / ``delete`` / ``move`` / ``execute`` act on tiers without deciding anything; the
@@ -24,19 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KvtierConfig, WritePolicy
 from kvtier.control.directory import Directory, StorePlan
 from kvtier.control.metrics import snapshot
+from kvtier.control.persist import copy_target
 from kvtier.control.planner import place, promote
 from kvtier.layout import DTYPE_SIZES, KVCacheConfig
 from kvtier.records.codec import MAX_DIMS
 from kvtier.records.keys import DIGEST_BYTES, KEY_BYTES, Key
 from kvtier.store.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
-from kvtier.store.persist import persist_memory
 from kvtier.tiers.base import Borrowing, Tier
 
 if TYPE_CHECKING:
@@ -126,7 +128,7 @@ class TieredStore:
                  write: WritePolicy = WritePolicy.WRITE_BACK, promote_on_hit: bool = True,
                  role: Role = Role.STORE, persist_at_close: float = 0.0) -> None:
         """``persist_at_close``: seconds ``close`` may spend copying what only memory tiers hold to disk
-        (kvtier.store.persist; with the directory, under write-back)."""
+        (kvtier.control.persist; with the directory, under write-back)."""
         self._tiers = {t.name: t for t in tiers}
         self._order = [t.name for t in tiers]
         self._directory = directory
@@ -184,7 +186,7 @@ class TieredStore:
 
     async def persist(self, budget_s: float) -> int:
         """Copy the chunks only a memory tier holds into the first persistent local tier after it, oldest first,
-        within about ``budget_s`` seconds (kvtier.store.persist.persist_memory); return how many were copied."""
+        within about ``budget_s`` seconds (kvtier.store.tiered.persist_memory); return how many were copied."""
         return await persist_memory(self, budget_s)
 
     def stats(self) -> dict[str, float]:
@@ -411,3 +413,49 @@ class TieredStore:
             return await self.move(plan.source, plan.tier, plan.store)
         return await self._tiers[plan.tier].put([(k, payloads[k]) for k in plan.store])
 
+
+# -- persisting at close: kvtier.control.persist plans the copies; here a one-process store runs them
+
+PERSIST_BATCH = 64  # chunks read and written per round of ``persist_memory`` (the budget is checked between rounds)
+
+
+async def persist_memory(store: TieredStore, budget_s: float, clock: Callable[[], float] = time.monotonic) -> int:
+    """Copy the READY chunks each memory tier of ``store`` (one holding its directory) alone holds into the first
+    persistent local tier after it, in the order they were stored, until all are copied or ``budget_s`` has passed
+    (a round already started finishes: at most ``PERSIST_BATCH`` chunks past it); return how many were copied."""
+    deadline, copied = clock() + budget_s, 0
+    directory, order = store.directory, store.tier_names
+    for name in order:
+        target = copy_target(order, name, lambda n: _persistent(store, n)) if store.tier(name).is_memory else None
+        if target is None:
+            continue
+        keys = [k for k in directory.ready_keys(name) if not directory.holds(target[0], k)]
+        for i in range(0, len(keys), PERSIST_BATCH):
+            if clock() >= deadline:
+                left = len(keys) - i
+                logger.warning("tier %s: %d chunk(s) not persisted to %s: the %.1fs budget ran out (%d copied)",
+                               name, left, target[0], budget_s, copied)
+                return copied
+            copied += await _copy_round(store, name, target, keys[i:i + PERSIST_BATCH])
+    return copied
+
+
+def _persistent(store: TieredStore, name: str) -> bool:
+    tier = store.tier(name)
+    return not tier.is_memory and not tier.is_shared
+
+
+async def _copy_round(store: TieredStore, source: str, target: tuple[str, list[str]], keys: list[Key]) -> int:
+    """Read ``keys`` from ``source`` (pinned meanwhile) and store them in the target through the directory."""
+    directory = store.directory
+    directory.pin(source, keys)
+    try:
+        values = await store.read(source, keys)
+    finally:
+        directory.unpin(source, keys)
+    items = {k: v for k, v in zip(keys, values, strict=True) if v is not None}
+    name, below = target
+    size = store.tier(name).stored_size
+    entries = [(k, size(v.numel() * v.element_size()), directory.parent(source, k)) for k, v in items.items()]
+    plans = directory.prepare_store(name, entries, below)
+    return (await store.execute(plans, items)).get(name, 0)

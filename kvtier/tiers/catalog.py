@@ -1,10 +1,10 @@
 """What a config's tiers store, read without the engine running: per tier and namespace, and deleted on request.
 
-Use: ``sources = open_sources(cfg)`` (one per tier; memory tiers are :class:`InProcess` placeholders, since
-their records live only in a running process) -> ``summarize(source)`` (records, bytes, oldest / newest and the
-namespace's manifest, per namespace) / ``source.records(namespace)`` / ``source.read(key)`` ->
+Use: ``sources = open_sources(cfg)`` (kvtier.ops.catalog: one per tier; memory tiers are :class:`InProcess`
+placeholders, since their records live only in a running process) -> ``summarize(source)`` (records, bytes, oldest /
+newest and the namespace's manifest, per namespace) / ``source.records(namespace)`` / ``source.read(key)`` ->
 ``plan(source, Selection(...))`` then ``source.delete(records)`` -> ``source.close()``
-(:func:`offline_sources`: the readable ones, closed at the end of a ``with`` block).
+(``offline_sources``: the readable ones, closed at the end of a ``with`` block).
 
 Sources: :class:`kvtier.tiers.disk.catalog.DiskSource` (record files, the root and its ``tp<rank>-of-<size>``
 rank directories) and :class:`kvtier.tiers.redis.catalog.RedisSource` (SCAN per server or cluster node). A tier that
@@ -15,16 +15,14 @@ cannot be read raises ``TierUnavailable``; :func:`summarize` turns that into a r
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.errors import TierUnavailable
-from kvtier.tiers.catalog_manifest import Manifest, describe
+from kvtier.tiers.manifest import Manifest, describe
 
 if TYPE_CHECKING:
-    from kvtier.config import KvtierConfig
     from kvtier.records.codec import RecordHeader
 
 IN_PROCESS = "in-process only, not inspectable offline"
@@ -156,45 +154,6 @@ class Selection:
         return record.mtime is not None and record.mtime < now - self.older_than
 
 
-def open_sources(cfg: KvtierConfig, tier: str | None = None, env: Mapping[str, str] | None = None,
-                 ) -> list[Source | InProcess]:
-    """One source per tier of ``cfg`` (only ``tier`` when given; an unknown name raises ``KvtierError``)."""
-    from kvtier.config import DiskTierConfig, RedisTierConfig
-    from kvtier.errors import ConfigError
-
-    names = [t.name for t in cfg.tiers]
-    if tier is not None and tier not in names:
-        raise ConfigError("--tier", f"no tier named {tier!r} in the config", f"one of {', '.join(names)}")
-    out: list[Source | InProcess] = []
-    for section in cfg.tiers:
-        if tier is not None and section.name != tier:
-            continue
-        if isinstance(section, DiskTierConfig):
-            from kvtier.tiers.disk.catalog import DiskSource
-
-            out.append(DiskSource(section))
-        elif isinstance(section, RedisTierConfig):
-            from kvtier.tiers.redis.catalog import RedisSource
-
-            out.append(RedisSource(section, env))
-        else:
-            out.append(InProcess(section.name, section.kind.value))
-    return out
-
-
-@contextmanager
-def offline_sources(cfg: KvtierConfig, tier: str | None = None) -> Iterator[tuple[list[Source], list[str]]]:
-    """``open_sources`` split for ``kvtier inspect`` and ``purge``: the sources readable offline and the names of the
-    in-process tiers passed over; the sources are closed when the block ends."""
-    found = open_sources(cfg, tier)
-    live = [s for s in found if not isinstance(s, InProcess)]
-    try:
-        yield live, [s.name for s in found if isinstance(s, InProcess)]
-    finally:
-        for source in live:
-            source.close()
-
-
 def summarize(source: Source | InProcess) -> TierSummary:
     """Records, bytes and age per namespace of one tier; an unreadable tier is reported, not raised."""
     if isinstance(source, InProcess):
@@ -226,4 +185,4 @@ def plan(source: Source, selection: Selection, now: float | None = None) -> list
 
 
 __all__ = ["IN_PROCESS", "InProcess", "NamespaceSummary", "RecordInfo", "Selection", "Source", "TierSummary",
-           "offline_sources", "open_sources", "plan", "summarize"]
+           "plan", "summarize"]

@@ -2,7 +2,8 @@
 
 A disk tier writes ``manifest.json`` once, when a namespace is first described or written, so that ``kvtier
 stats`` / ``inspect`` / ``purge`` (and a person with ``cat``) can name a directory's model, revision and layout
-without the engine. Shape (version 1)::
+without the engine. In Redis a manifest is the value of ``{key_prefix}:manifest:{namespace hex}``, SET by the Redis
+tier when the connector describes its namespaces (kvtier.tiers.redis.catalog.publish). Shape (version 1)::
 
     {"kvtier_manifest": 1, "namespace": "<32 hex>", "model": str, "revision": str, "tenant": str,
      "kv_dtype": str, "chunk_size": int, "tp_rank": int, "tp_size": int, "fingerprint": str,
@@ -13,13 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from kvtier.records.keys import DIGEST_BYTES, Namespace
-from kvtier.tiers.disk.files import open_temp, write_and_rename
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -56,14 +55,6 @@ def is_valid(manifest: Any) -> bool:
     return True
 
 
-def write_manifest(directory: str, manifest: Mapping[str, Any]) -> None:
-    """Write ``<directory>/manifest.json`` atomically (temp file + ``os.replace``; mode 0600). Raises OSError."""
-    final = os.path.join(directory, MANIFEST_NAME)
-    tmp = f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    data = json.dumps(dict(manifest), indent=1, sort_keys=True).encode() + b"\n"
-    write_and_rename(open_temp(tmp), tmp, final, [data])
-
-
 def read_manifest(directory: str) -> dict[str, Any] | None:
     """The manifest in ``directory``; None when it is absent, unreadable or not a version-1 manifest."""
     try:
@@ -94,3 +85,55 @@ def describe_plainly(manifest: Mapping[str, Any]) -> str:
     parts.append(f"tp {manifest.get('tp_rank', '?')}/{manifest.get('tp_size', '?')}")
     parts.append(f"{kind_words} {manifest.get('layers', '?')} layers")
     return ", ".join(parts)
+
+
+# -- the readers of ``kvtier stats``, ``inspect`` and ``purge``: a missing manifest told from an unreadable one
+
+NO_MANIFEST = "unknown (no manifest)"
+MAX_MANIFEST_BYTES = 1 << 16
+Manifest = dict[str, Any]
+
+
+def parse(raw: bytes | str | None) -> Manifest | None:
+    """The manifest in ``raw`` (JSON), or ``{"error": ...}`` when it is not one; None when ``raw`` is None."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return {"error": f"not JSON ({exc})"}
+    if not is_valid(value):
+        return {"error": "not a version-1 kvtier manifest"}
+    return dict(value)
+
+
+def read_disk(namespace_dir: str) -> Manifest | None:
+    """``manifest.json`` of a namespace directory (None when absent)."""
+    try:
+        with open(os.path.join(namespace_dir, MANIFEST_NAME), "rb") as f:
+            return parse(f.read(MAX_MANIFEST_BYTES))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return {"error": f"unreadable ({exc.strerror or exc})"}
+
+
+def redis_name(key_prefix: str, namespace_hex: str) -> bytes:
+    """Redis key of a namespace's manifest: ``{key_prefix}:manifest:{namespace hex}``."""
+    return f"{key_prefix}:manifest:{namespace_hex}".encode()
+
+
+def describe(manifest: Mapping[str, Any] | None) -> str:
+    """The manifest in plain words (``kvtier.tiers.manifest.describe_plainly``) and when and by what it was written,
+    e.g. ``llama rev main, bfloat16, chunk 256, tp 0/1, FullAttention 32 layers, written 2025-01-31 12:00 by
+    kvtier 0.4.0``; says so when there is none or it is unreadable."""
+    if manifest is None:
+        return NO_MANIFEST
+    if "error" in manifest:
+        return f"unknown (manifest {manifest['error']})"
+    written = []
+    if isinstance(manifest.get("created"), int | float):
+        written.append(time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest["created"])))
+    if manifest.get("kvtier_version"):
+        written.append(f"by kvtier {manifest['kvtier_version']}")
+    return describe_plainly(manifest) + (", written " + " ".join(written) if written else "")

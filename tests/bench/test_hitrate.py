@@ -223,7 +223,7 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "hit-rate", "--trace", "/nonexistent.jsonl"]) == 2
     assert "no trace file" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
-    hitrate.add_arguments(parser)  # the entry kvtier bench's table names hands on to hitrate_cli
+    hitrate_cli.add_arguments(parser)  # the module kvtier bench's table names
     args = parser.parse_args(["--workload", "agentic", "--capacity", "lots"])
     with pytest.raises(ConfigError, match="--capacity"):
         hitrate_cli.spec_from(args, hitrate_cli.load_workload(args))

@@ -12,7 +12,7 @@ import torch
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, WritePolicy
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVConnectorOutput, NewRequestData, Request, SchedulerOutput
+from kvtier.engine.types import KVConnectorOutput, NewRequestData, Request, SchedulerOutput
 from kvtier.layout import KVCacheConfig, simple_config
 
 C, BS, NUM_BLOCKS = 8, 4, 64

@@ -13,7 +13,7 @@ from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces, request_keys
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import NewRequestData, Request, SchedulerOutput
+from kvtier.engine.types import NewRequestData, Request, SchedulerOutput
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from kvtier.records.keys import Key
 from kvtier.store.tiered import TieredStore

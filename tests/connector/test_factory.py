@@ -17,7 +17,7 @@ from kvtier.connector.factory import (
     create_connector,
 )
 from kvtier.connector.legacy import accepts_kv_cache_config, adapter_base, legacy_class
-from kvtier.connector.types import EngineConfig, KVTransferConfig
+from kvtier.engine.types import EngineConfig, KVTransferConfig
 from kvtier.errors import ConnectorError
 from kvtier.layout import simple_config
 

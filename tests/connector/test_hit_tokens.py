@@ -15,7 +15,7 @@ from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig
 from kvtier.config.tree import TierKind
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, Request, SchedulerOutput
 from kvtier.layout import simple_config
 
 KCC = simple_config(2, 2, 4, dtype="float32", block_size=BS, num_blocks=NUM_BLOCKS)

@@ -30,7 +30,7 @@ from kvtier.connector.keying import (
     request_keys,
 )
 from kvtier.connector.settings import read_settings
-from kvtier.connector.types import Request
+from kvtier.engine.types import Request
 from kvtier.layout import KVCacheConfig, simple_config
 from kvtier.records.fingerprint import WEIGHT_MODES
 

@@ -14,7 +14,7 @@ import pytest
 from kvtier.connector.base import KVConnectorBase, KVConnectorRole
 from kvtier.connector.factory import BUILTIN_CONNECTORS, ConnectorFactory, create_connector
 from kvtier.connector.multi import MultiConnector, MultiConnectorMetadata, MultiConnectorStats
-from kvtier.connector.types import (
+from kvtier.engine.types import (
     EngineConfig,
     KVCacheBlocks,
     KVTransferConfig,

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyConfig, RedisTierConfig, WritePolicy
-from kvtier.connector.plans import KVTierMetadata, SaveSpec
+from kvtier.connector.plans import KVTierMetadata, PersistingMetadata, SaveSpec
 from kvtier.connector.report import WorkerReport
-from kvtier.connector.scheduler.persist_plans import PersistingMetadata, PersistPlanner, planner_for
+from kvtier.connector.scheduler.persist_plans import PersistPlanner, planner_for
 from kvtier.control.directory import Directory, StorePlan
 from kvtier.layout import simple_config
 from kvtier.store.assembly import build_tiers, directory_for

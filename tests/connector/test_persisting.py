@@ -1,4 +1,4 @@
-"""Persisting write-back chunks (kvtier.store.persist): both halves of TieredConnector as vLLM runs them (separate
+"""Persisting write-back chunks (kvtier.control.persist): both halves of TieredConnector as vLLM runs them (separate
 stores, pickled metadata and outputs), cpu + disk under write-back. What only the cpu tier holds reaches disk at a
 graceful stop, while the engine is idle, and when cpu evicts it before either; a new engine on the same directory
 hits it; the scheduler's directory counts every copy once and never plans it again."""
@@ -15,7 +15,7 @@ from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyCon
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces, request_keys
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, Request, SchedulerOutput
 from kvtier.layout import simple_config
 from kvtier.records.keys import Key
 from kvtier.tiers.disk.tier import DiskTier

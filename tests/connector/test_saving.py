@@ -18,10 +18,10 @@ from worker_kit import A_IDS, B_IDS, KCC, TOKENS, C, Engine, make_cfg, paged
 from kvtier.config import DiskTierConfig, PolicyConfig, WritePolicy
 from kvtier.connector.plans import KVTierMetadata, SaveSpec
 from kvtier.connector.scheduler.reuse import SeenCounter
-from kvtier.connector.types import Request, SchedulerOutput
 from kvtier.connector.worker import half as worker_module
 from kvtier.connector.worker.half import WorkerHalf
 from kvtier.control.directory import StorePlan
+from kvtier.engine.types import Request, SchedulerOutput
 from kvtier.kvcopy.transfer import KVLayout, gather
 from kvtier.records.keys import Key
 from kvtier.store.assembly import Role

@@ -18,7 +18,7 @@ from scheduler_harness import FULL, SCHED, SWA, TOKENS, Build, C, make_cfg, sche
 from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig, RedisTierConfig, WritePolicy
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.errors import ConfigError
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 

@@ -12,7 +12,7 @@ import torch
 from scheduler_harness import FULL, TOKENS, Build, C
 
 from kvtier.connector.keying import request_extra, request_keys
-from kvtier.connector.types import KVCacheBlocks, NewRequestData, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, NewRequestData, Request, SchedulerOutput
 from kvtier.layout import KVCacheConfig
 
 

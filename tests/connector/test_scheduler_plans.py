@@ -9,7 +9,7 @@ from scheduler_harness import FULL, SCHED, SWA, TOKENS, Build, C, make_cfg, sche
 
 from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig, WritePolicy
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import CachedRequestData, KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
+from kvtier.engine.types import CachedRequestData, KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.layout import KVCacheConfig, simple_config
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from scheduler_harness import FULL, MAMBA, TOKENS, Build, C, schedule_new
 
-from kvtier.connector.types import KVCacheBlocks, KVConnectorBlockState, NewRequestData, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, KVConnectorBlockState, NewRequestData, Request, SchedulerOutput
 from kvtier.layout import KVCacheConfig
 from kvtier.layout.geometry import NULL_BLOCK
 

@@ -18,7 +18,7 @@ from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.settings import read_settings
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 
 
 def tp_engine(cfg: KvtierConfig) -> tuple[TieredConnector, list[TieredConnector]]:

@@ -25,10 +25,10 @@ from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.plans import SaveSpec
 from kvtier.connector.report import WorkerReport
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
 from kvtier.connector.worker.saving import SaveJob, SaveQueue
 from kvtier.control.directory import StorePlan
 from kvtier.control.metrics import WorkerCounters
+from kvtier.engine.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
 from kvtier.records.keys import Key
 from kvtier.tiers.runtime import LoopThread
 

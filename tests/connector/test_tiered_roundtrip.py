@@ -33,7 +33,7 @@ from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyCon
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.layout import simple_config
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.runtime import LoopThread

@@ -17,7 +17,7 @@ from roundtrip_helpers import C, cfg_for, receive, step
 
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, KVConnectorBlockState, NewRequestData, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, KVConnectorBlockState, NewRequestData, Request, SchedulerOutput
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from kvtier.layout.geometry import NULL_BLOCK
 

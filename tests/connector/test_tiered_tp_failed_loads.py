@@ -16,7 +16,7 @@ from kvtier.connector.keying import identity_from, namespaces, rank_key
 from kvtier.connector.report import WorkerReport
 from kvtier.connector.settings import read_settings
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import (
+from kvtier.engine.types import (
     CachedRequestData,
     KVCacheBlocks,
     KVConnectorOutput,

@@ -14,7 +14,7 @@ from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig, WritePolicy
 from kvtier.connector.keying import namespaces, rank_key
 from kvtier.connector.report import WorkerReport
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.records.keys import Key
 
 

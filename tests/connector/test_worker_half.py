@@ -41,8 +41,8 @@ import kvtier.connector.worker.half as worker_module
 import kvtier.connector.worker.loads as loads_module
 from kvtier.config import CpuTierConfig
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.connector.types import KVCacheBlocks, Request
 from kvtier.control.directory import StorePlan
+from kvtier.engine.types import KVCacheBlocks, Request
 from kvtier.kvcopy.transfer import KVLayout, gather
 from kvtier.records.keys import Key
 from kvtier.tiers.memory.cpu import CpuTier

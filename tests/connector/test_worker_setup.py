@@ -18,8 +18,8 @@ from worker_kit import A_IDS, BS, KCC, NB, TOKENS, C, Engine, make_cfg, paged
 from kvtier.config import CpuTierConfig
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import NewRequestData, Request, SchedulerOutput
 from kvtier.connector.worker.half import WorkerHalf
+from kvtier.engine.types import NewRequestData, Request, SchedulerOutput
 from kvtier.errors import ConnectorError
 from kvtier.store.assembly import Role
 from kvtier.store.tiered import TieredStore

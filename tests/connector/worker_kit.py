@@ -16,8 +16,8 @@ from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, PolicyCon
 from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.keying import identity_from, namespaces, request_keys
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
 from kvtier.connector.worker.half import WorkerHalf
+from kvtier.engine.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput
 from kvtier.layout import simple_config
 from kvtier.records.keys import Key
 from kvtier.store.assembly import Role

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvtier.config import load_config
-from kvtier.connector.types import KVTransferConfig
 from kvtier.engine import EngineArgs, KVTierPair, ModelConfig
 from kvtier.engine.core import Engine, RequestSpec
+from kvtier.engine.types import KVTransferConfig
 from kvtier.records.keys import chunk_keys
 
 C = 32

@@ -7,8 +7,8 @@ import itertools
 import pytest
 from dict_connector import DictConnector, NonHMADictConnector, RecordingDictConnector
 
-from kvtier.connector.types import KVTransferConfig
 from kvtier.engine import Engine, EngineArgs, ModelConfig, RequestSpec, run_conformance
+from kvtier.engine.types import KVTransferConfig
 from kvtier.errors import ConnectorError
 
 _ids = itertools.count()

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from kvtier.config import KvtierConfig, load_config
-from kvtier.connector.types import KVTransferConfig
 from kvtier.engine import EngineArgs, KVTierPair, ModelConfig, RequestStatus, run_conformance
 from kvtier.engine.core import Engine
 from kvtier.engine.harness import BF16_TOLERANCE
+from kvtier.engine.types import KVTransferConfig
 
 FULL, HYBRID = ModelConfig(), ModelConfig(sliding_window=48)
 BF16_HYBRID = ModelConfig(sliding_window=48, dtype="bfloat16")

@@ -21,9 +21,9 @@ from state_connector import STORES as STATE_STORES
 from kvtier.config import KvtierConfig, load_config
 from kvtier.connector.keying import identity_from, namespaces, request_keys
 from kvtier.connector.settings import read_settings
-from kvtier.connector.types import KVTransferConfig
 from kvtier.engine import Engine, EngineArgs, KVTierPair, ModelConfig, RequestSpec, reference_logits, run_conformance
 from kvtier.engine.harness import RunRecord, compare, run_waves
+from kvtier.engine.types import KVTransferConfig
 from kvtier.engine.workload import random_tokens
 from kvtier.layout import GroupKind, MambaSpec, from_vllm
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from kvtier.config import TierKind
-from kvtier.connector.types import KVTransferConfig
 from kvtier.engine import EngineArgs, ModelConfig
 from kvtier.engine.core import Engine, RequestSpec
+from kvtier.engine.types import KVTransferConfig
 from kvtier.records.keys import Key, chunk_keys
 
 C = 32

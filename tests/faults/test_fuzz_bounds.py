@@ -1,8 +1,8 @@
 """Headers that lie about their payload's size, read by the codec, the disk tier and the Redis tier: only a miss
 (``CorruptRecord`` inside, counted and deleted), and never an allocation sized by the lie.
 
-tests/test_codec.py already fuzzes ``decode`` with random and mutated bytes (only ``CorruptRecord`` escapes)
-and rejects forged field values; tests/test_config_fuzz.py fuzzes config loading (only ``ConfigError``). These
+tests/records/test_codec.py already fuzzes ``decode`` with random and mutated bytes (only ``CorruptRecord`` escapes)
+and rejects forged field values; tests/config/test_config_fuzz.py fuzzes config loading (only ``ConfigError``). These
 add well-formed headers (valid header checksum) claiming up to the 2 GiB bound, and measure allocations.
 """
 

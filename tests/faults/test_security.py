@@ -11,7 +11,7 @@
 
 Tier-level versions: tests/tiers/test_redis.py (two namespaces on one Redis, signed records),
 tests/tiers/test_disk.py (modes, signed records), tests/tiers/test_redis_security.py (URL redaction, wrong
-passwords at start), tests/test_codec.py (signature checks).
+passwords at start), tests/records/test_codec.py (signature checks).
 """
 
 from __future__ import annotations

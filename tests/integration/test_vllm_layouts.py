@@ -9,9 +9,9 @@ import torch
 
 from kvtier.errors import ConnectorError
 from kvtier.kvcopy.paged import page_rows
+from kvtier.kvcopy.pages import page_view
 from kvtier.kvcopy.transfer import gather, scatter
 from kvtier.layout.geometry import NULL_BLOCK, STRIDE_ORDERS, KVLayout, kernel_ids
-from kvtier.layout.pages import page_view
 
 DENSE = {"LBHNC", "LBNHC", "BLHNC", "BLNHC"}  # a block's page of one layer is one run of memory
 

@@ -15,7 +15,7 @@ from contract import assert_same, rand
 from kvtier.bench.redis_servers import RedisServer, TlsFiles
 from kvtier.config import RedisTierConfig
 from kvtier.errors import ConfigError, TierUnavailable
-from kvtier.tiers.redis.conf import parse_endpoint, redact
+from kvtier.tiers.redis.client import parse_endpoint, redact
 from kvtier.tiers.redis.tier import RedisTier
 
 KEY = b"namespace-A-0000" + bytes(16)

@@ -1,4 +1,4 @@
-"""Scheduler side of persisting (kvtier.store.persist): each step, copies of the chunks that step saves into a memory
+"""Scheduler side of persisting (kvtier.control.persist): each step, copies of the chunks that step saves into a memory
 tier are planned into the persistent tier below it in their group's placement, and shipped with the step's metadata.
 
 Lifecycle (``TieredConnector`` calls it around the scheduler half, under write-back with ``persist_after_idle`` or
@@ -19,36 +19,16 @@ counts each from its plan on, as any write, so capacity stays counted and placem
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 
 from kvtier.config import KvtierConfig
-from kvtier.connector.plans import KVTierMetadata, SaveSpec
+from kvtier.connector.plans import KVTierMetadata, PersistingMetadata, SaveSpec
 from kvtier.connector.report import WorkerReport
 from kvtier.control.directory import Directory, StorePlan
+from kvtier.control.persist import copy_target, enabled, plan_copies
 from kvtier.layout import KVCacheConfig
 from kvtier.records.keys import Key
-from kvtier.store.persist import copy_target, enabled, plan_copies
 from kvtier.tiers.base import Tier
-
-
-@dataclass
-class PersistingMetadata(KVTierMetadata):
-    """A step's plans (``KVTierMetadata``) and its persisting plans: copies of memory chunks (``source`` a memory
-    tier) and the demotions of their victims, in execution order."""
-
-    persists: list[StorePlan] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, meta: KVTierMetadata, persists: list[StorePlan]) -> PersistingMetadata:
-        return cls(**{f.name: getattr(meta, f.name) for f in fields(meta)}, persists=persists)
-
-    def is_empty(self) -> bool:
-        return super().is_empty() and not self.persists
-
-
-def persists_of(meta: object) -> list[StorePlan]:
-    """The persisting plans a step's metadata carries (none in plain ``KVTierMetadata``)."""
-    return list(meta.persists) if isinstance(meta, PersistingMetadata) else []
 
 
 class PersistPlanner:

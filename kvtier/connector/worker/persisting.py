@@ -1,5 +1,5 @@
-"""Worker side of persisting (kvtier.store.persist): runs, where the bytes are, the copies of memory chunks to disk that
-the scheduler planned (kvtier.connector.scheduler.persist_plans), off the engine's critical path. Decides nothing.
+"""Worker side of persisting (kvtier.control.persist): runs, where the bytes are, the copies of memory chunks to disk
+that the scheduler planned (kvtier.connector.scheduler.persist_plans), off the engine's critical path. Decides nothing.
 
 Lifecycle (``TieredConnector`` calls it around the worker half):
     step(meta)             each engine step, on the engine's thread: a step that computes a token marks the engine
@@ -27,12 +27,12 @@ from typing import Any
 
 from kvtier.config import KvtierConfig
 from kvtier.connector.keying import Identity, namespaces, rank_key
+from kvtier.connector.plans import persists_of
 from kvtier.connector.report import PersistedCopy
-from kvtier.connector.scheduler.persist_plans import persists_of
 from kvtier.control.directory import StorePlan
+from kvtier.control.persist import enabled
 from kvtier.layout import KVCacheConfig
 from kvtier.records.keys import DIGEST_BYTES, Key
-from kvtier.store.persist import enabled
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.runtime import LoopThread
 

@@ -1,7 +1,7 @@
 """Which registered KV tensors belong to which KV-cache group, and how kvtier reads them (worker side).
 
 vLLM >= 0.32 (the config names the engine's KV-cache layout): each layer's ``[B, H, N, C]`` view becomes a
-``[kernel_blocks, *page]`` page view (:mod:`kvtier.layout.pages`); earlier engines: 5-D or 3-D paged tensors in one of
+``[kernel_blocks, *page]`` page view (:mod:`kvtier.kvcopy.pages`); earlier engines: 5-D or 3-D paged tensors in one of
 :class:`kvtier.layout.geometry.KVLayout`'s layouts, checked against the group's spec. Anything kvtier cannot read
 raises ``ConnectorError`` (the worker then disables kvtier for the engine, or fails in strict mode).
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConnectorError
+from kvtier.kvcopy.pages import page_view
 from kvtier.layout import (
     UNSERVED,
     FullAttentionSpec,
@@ -25,7 +26,6 @@ from kvtier.layout import (
     dtype_name,
 )
 from kvtier.layout.geometry import KVLayout, block_size_of, detect_layout
-from kvtier.layout.pages import page_view
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ from kvtier.config import DiskTierConfig
 from kvtier.errors import CorruptRecord, TierUnavailable
 from kvtier.records.codec import HEADER_SIZE, decode_header
 from kvtier.tiers.catalog import RecordInfo
-from kvtier.tiers.catalog_manifest import Manifest, read_disk
 from kvtier.tiers.disk.index import SUFFIX, Layout, _is_namespace, _key_of
+from kvtier.tiers.manifest import Manifest, read_disk
 
 RANK_DIR = re.compile(r"tp\d+-of-\d+")
 LEDGER_FILES = (".kvtier-ledger", ".kvtier-lock")

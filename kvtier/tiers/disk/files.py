@@ -8,9 +8,14 @@ here: the catalog imports it."""
 from __future__ import annotations
 
 import errno
+import json
 import os
-from collections.abc import Sequence
+import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from kvtier.tiers.manifest import MANIFEST_NAME
 
 TEMP_MODE = 0o600
 
@@ -88,3 +93,11 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_manifest(directory: str, manifest: Mapping[str, Any]) -> None:
+    """Write ``<directory>/manifest.json`` atomically (temp file + ``os.replace``; mode 0600). Raises OSError."""
+    final = os.path.join(directory, MANIFEST_NAME)
+    tmp = f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    data = json.dumps(dict(manifest), indent=1, sort_keys=True).encode() + b"\n"
+    write_and_rename(open_temp(tmp), tmp, final, [data])

@@ -23,10 +23,10 @@ from kvtier.records.codec import (
     FLAG_LZ4,
     FLAG_ZSTD,
     HEADER_SIZE,
-    MAC_BYTES,
     RecordHeader,
     decode_header,
     encode,
+    record_size,
     verify_payload,
 )
 from kvtier.records.keys import Key
@@ -113,7 +113,7 @@ def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
         if place is not None and size == room:
             array, start = place
         else:
-            array, start = alloc(size, HEADER_SIZE + (MAC_BYTES if hmac_key is not None else 0)), 0
+            array, start = alloc(size, record_size(0, hmac_key is not None)), 0
         view = array.data[start:start + size] if start or array.nbytes != size else array.data
         flags = NOWAIT_FLAGS if nowait else 0
         if size <= READ_PIECE:  # the common case: one read, one hash
@@ -182,7 +182,7 @@ def read_records(paths: Sequence[str], keys: Sequence[Key], hmac_key: bytes | No
     """``read_record`` for several records in one blocking call; a failure (``Deferred`` included) is returned in
     its place, without its traceback. Buffers come from ``recycler`` (fresh ones without it); with the expected
     file ``sizes`` too, small records share buffers (``Recycler.take_many``); a file of another size gets its own."""
-    lead = HEADER_SIZE + (MAC_BYTES if hmac_key is not None else 0)
+    lead = record_size(0, hmac_key is not None)
     alloc = recycler.take_array if recycler is not None else _new_buffer
     places: Sequence[Place | None] = (recycler.take_many(sizes, lead) if recycler is not None and sizes is not None
                                       else [None] * len(paths))

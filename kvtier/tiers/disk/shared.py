@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvtier.records.keys import DIGEST_BYTES, Key
-from kvtier.tiers.disk.files import Staged, discard
+from kvtier.tiers.disk.files import Staged, discard, write_manifest
 from kvtier.tiers.disk.index import SUFFIX, Layout, ScanResult, count_records
 from kvtier.tiers.disk.ledger import HOST, Ledger, LedgerState, step
 from kvtier.tiers.disk.members import SEEN_EVERY
 from kvtier.tiers.disk.placement import Batch, admit, rename, size_of, sync_dirs
-from kvtier.tiers.manifest import read_manifest, same_namespace, write_manifest
+from kvtier.tiers.manifest import read_manifest, same_namespace
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -47,7 +47,7 @@ import torch
 from kvtier.config import DiskTierConfig, TierConfig
 from kvtier.control.metrics import DiskStats, Timer
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.records.codec import HEADER_SIZE, MAC_BYTES
+from kvtier.records.codec import stored_size
 from kvtier.records.keys import DIGEST_BYTES, Key
 from kvtier.tiers.base import Tier, TierEntry
 from kvtier.tiers.disk.files import Staged
@@ -175,7 +175,7 @@ class DiskTier(Tier):
 
     def stored_size(self, nbytes: int) -> int:
         """File size of an uncompressed record (an upper bound when compressing)."""
-        return HEADER_SIZE + (MAC_BYTES if self.hmac_key else 0) + nbytes
+        return stored_size(nbytes, signed=bool(self.hmac_key), memory=False)
 
     async def contains(self, keys: Sequence[Key]) -> list[bool]:
         found = [k in self._index for k in keys]

@@ -7,7 +7,8 @@ mark, and the memory, at the peak of what was stored when records have one size.
 
 from __future__ import annotations
 
-SLOT_ALIGN = 4096
+from kvtier.records.codec import SLOT_ALIGN
+
 Run = tuple[int, int]  # (first slot, number of slots)
 
 

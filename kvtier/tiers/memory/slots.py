@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.records.codec import stored_size
 from kvtier.records.keys import Key
 from kvtier.tiers.memory.arena import Arena
 from kvtier.tiers.memory.copies import Piece, copy_pieces
@@ -85,11 +86,8 @@ class SlotPool:
         return self._slot
 
     def cost(self, nbytes: int) -> int:
-        """Bytes a record of ``nbytes`` occupies: whole slots."""
-        if nbytes <= 0:
-            return 0
-        slot = self._slot or round_up(nbytes)
-        return math.ceil(nbytes / slot) * slot
+        """Bytes a record of ``nbytes`` occupies: whole slots (kvtier.records.codec.stored_size)."""
+        return stored_size(nbytes, signed=False, memory=True, slot_bytes=self._slot or None)
 
     def used_bytes(self) -> int:
         return self._used_slots * self._slot

@@ -67,7 +67,7 @@ def length_from_probe(probe: bytes) -> int | None:
         return None
     (flags,) = struct.unpack_from("<H", probe, 6)
     (stored,) = struct.unpack_from("<Q", probe, 44)
-    return int(codec.HEADER_SIZE + (codec.MAC_BYTES if flags & codec.FLAG_SIGNED else 0) + stored)
+    return codec.record_size(int(stored), bool(flags & codec.FLAG_SIGNED))
 
 
 @dataclass

@@ -10,6 +10,9 @@ Connections ask for ``CLIENT NO-TOUCH`` (Redis 7.2+) so a scan does not refresh 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,23 +22,20 @@ from kvtier.config import RedisTierConfig
 from kvtier.errors import CorruptRecord, TierUnavailable
 from kvtier.records.codec import HEADER_SIZE, decode_header
 from kvtier.tiers.catalog import RecordInfo
-from kvtier.tiers.catalog_manifest import Manifest, parse
-from kvtier.tiers.redis.conf import RedisEndpoint, parse_endpoint
+from kvtier.tiers.manifest import Manifest, parse, redis_name
+from kvtier.tiers.redis.client import RedisEndpoint, make_client, parse_endpoint
 
 BATCH = 1000
 MIN_TIMEOUT = 5.0  # seconds: an offline scan is not on a request's path; the tier's 50 ms would be too short
 
+log = logging.getLogger(__name__)
+
 
 def connect(endpoint: RedisEndpoint, section: RedisTierConfig, **extra: Any) -> Any:
-    """A sync redis-py client (``Redis`` or ``RedisCluster``) with the tier's credentials and TLS settings."""
-    import redis
-    from redis.cluster import ClusterNode, RedisCluster
-
-    kw = endpoint.redis_kwargs(dataclasses.replace(section, timeout=max(section.timeout, MIN_TIMEOUT)))
-    if endpoint.cluster:
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in endpoint.hosts], **kw)
-    host, port = endpoint.hosts[0]
-    return redis.Redis(host=host, port=port, db=endpoint.db, **kw, **extra)
+    """A sync redis-py client (``Redis`` or ``RedisCluster``) with the tier's credentials and TLS settings, and
+    redis-py's own retries (an offline tool has no breaker)."""
+    slower = dataclasses.replace(section, timeout=max(section.timeout, MIN_TIMEOUT))
+    return make_client(endpoint, slower, sync=True, retry=True, full_coverage=True, **extra)
 
 
 def _no_touch(conn: Any) -> None:
@@ -217,3 +217,31 @@ def _header_or_none(head: bytes, key: bytes) -> Any:
         return decode_header(head, expected_key=key)
     except CorruptRecord:
         return None
+
+
+def publish(tier: str, endpoint: RedisEndpoint, section: RedisTierConfig,
+            manifests: Mapping[bytes, Mapping[str, Any]]) -> threading.Thread | None:
+    """SET each namespace's manifest key (``redis_name``) of the Redis tier named ``tier`` in the background (its
+    own short-lived sync client, so it works from any thread, before or after the tier's ``start``); failures are
+    logged once, never raised. Returns the thread."""
+    items = {redis_name(section.key_prefix, ns.hex()): json.dumps(dict(m), sort_keys=True).encode()
+             for ns, m in manifests.items()}
+    if not items:
+        return None
+    thread = threading.Thread(target=_publish, args=(tier, endpoint, section, items), name="kvtier-redis-manifest",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def _publish(tier: str, endpoint: RedisEndpoint, section: RedisTierConfig, items: Mapping[bytes, bytes]) -> None:
+    try:
+        client = connect(endpoint, section)
+        try:
+            for name, value in items.items():
+                client.set(name, value)
+        finally:
+            client.close()
+    except Exception as exc:  # a description is best effort: never the engine's problem
+        log.warning("redis tier %r: could not write namespace manifests (%s: %s)", tier,
+                    type(exc).__name__, exc)

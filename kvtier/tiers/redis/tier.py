@@ -54,7 +54,7 @@ from kvtier.tiers.memory.recycle import Recycler
 from kvtier.tiers.redis import plain as redis_plain
 from kvtier.tiers.redis.breaker import CircuitBreaker
 from kvtier.tiers.redis.bulk import GetResult, get_records, record_commands, set_records
-from kvtier.tiers.redis.conf import RedisEndpoint, parse_endpoint
+from kvtier.tiers.redis.client import RedisEndpoint, make_client, parse_endpoint
 from kvtier.tiers.redis.resp import RespError, RespPool
 
 log = logging.getLogger(__name__)
@@ -113,19 +113,8 @@ class RedisTier(Tier):
             self.breaker.failure()
 
     def _make_client(self) -> Any:
-        from redis.asyncio import Redis
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        kw = self.endpoint.redis_kwargs(self.section)
-        kw["retry"] = Retry(NoBackoff(), 0)  # the breaker, not redis-py, decides when to try again
-        if self.endpoint.cluster:
-            nodes = [ClusterNode(h, p) for h, p in self.endpoint.hosts]
-            return RedisCluster(startup_nodes=nodes, max_connections=self.section.pool_size,
-                                require_full_coverage=False, **kw)
-        host, port = self.endpoint.hosts[0]
-        return Redis(host=host, port=port, db=self.endpoint.db, max_connections=self.section.pool_size, **kw)
+        """redis.asyncio's client; no retries: the breaker, not redis-py, decides when to try again."""
+        return make_client(self.endpoint, self.section, max_connections=self.section.pool_size)
 
     async def close(self) -> None:
         for pool in self._pools.values():
@@ -206,7 +195,7 @@ class RedisTier(Tier):
         return self._used
 
     def stored_size(self, nbytes: int) -> int:
-        return codec.HEADER_SIZE + (codec.MAC_BYTES if self._hmac_key else 0) + nbytes
+        return codec.stored_size(nbytes, signed=bool(self._hmac_key), memory=False)
 
     def stats(self) -> RedisStats:
         """The tier's counters, with its breaker's state, openings and refused calls as of now."""
@@ -217,9 +206,9 @@ class RedisTier(Tier):
 
     def describe(self, manifests: Mapping[bytes, Mapping[str, Any]]) -> None:
         """SET ``{key_prefix}:manifest:{namespace hex}`` per namespace for ``kvtier stats``, in the background."""
-        from kvtier.tiers.catalog_manifest import publish
+        from kvtier.tiers.redis.catalog import publish
 
-        publish(self, manifests)
+        publish(self.name, self.endpoint, self.section, manifests)
 
     # -- helpers -----------------------------------------------------------------------------------------------
 

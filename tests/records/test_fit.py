@@ -70,7 +70,7 @@ def test_a_hybrid_of_block_sizes_16_and_48_suggests_their_lcm() -> None:
 
 
 def test_a_tier_too_small_for_one_record_names_its_capacity() -> None:
-    """The record is the chunk's bytes plus the record header: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes x 256
+    """A cpu tier holds the chunk's bytes in a 4 KiB-aligned slot: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes x 256
     tokens = 32 MiB; the second tier (4 MiB) cannot hold it. A tier not holding the group is not checked."""
     tiers = [{"name": "cpu", "kind": "cpu", "capacity": "1GiB"},
              {"name": "small", "kind": "cpu", "capacity": "4MiB"}]
@@ -80,3 +80,33 @@ def test_a_tier_too_small_for_one_record_names_its_capacity() -> None:
     assert "4 MiB cannot hold one chunk of group 0" in str(info.value)
     assert info.value.hint == "raise capacity or lower chunk_size"
     check_fit(config(tiers=tiers, placement={"full_attention": ["cpu"]}), simple_config(32, 8, 128))
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+@pytest.mark.parametrize(("kind", "slot_bytes"), [("cpu", None), ("cpu", 12000), ("disk", None)])
+def test_fit_kvtier_check_and_the_tier_agree_on_what_one_chunk_costs(kind: str, slot_bytes: int | None, signed: bool,
+                                                                     tmp_path: Any) -> None:
+    """One size rule (kvtier.records.codec.stored_size) for the fit check, ``kvtier check`` and the tier itself: a
+    tier of exactly one chunk's cost fits and holds one chunk; a byte less fails the fit and holds none. A signed
+    record carries its MAC (32 bytes) on disk and in Redis; a memory tier holds the raw payload in whole slots,
+    aligned to 4 KiB (5 KiB: 8 KiB; with ``slot_bytes`` 12000: one 12 KiB slot)."""
+    from kvtier.ops.check import ModelShape, report
+    from kvtier.records.codec import HEADER_SIZE, MAC_BYTES
+    from kvtier.tiers import make_tier
+
+    shape = ModelShape(2, 1, 40, "float16", block_size=16)  # 320 B a token, 5 KiB a 16-token chunk
+    payload = shape.bytes_per_token * 16
+    want = {("cpu", None): 8192, ("cpu", 12000): 12288}.get((kind, slot_bytes),
+                                                             payload + HEADER_SIZE + (MAC_BYTES if signed else 0))
+    security = {"security": {"hmac_key_env": "KVTIER_TEST_KEY"}} if signed else {}
+    for capacity, chunks in ((want, 1), (want - 1, 0)):
+        tier = {"name": "t", "kind": kind, "capacity": capacity, **({"path": str(tmp_path)} if kind == "disk" else {}),
+                **({"slot_bytes": slot_bytes} if slot_bytes else {})}
+        cfg = config(chunk_size=16, tiers=[tier], **security)
+        assert make_tier(cfg.tiers[0], hmac_key=b"k" * 32 if signed else None).stored_size(payload) == want
+        assert [t["chunks"] for t in report(cfg, shape, "test")["tiers"]] == [chunks]
+        if chunks:
+            check_fit(cfg, shape.layout())
+        else:
+            with pytest.raises(ConfigError, match="cannot hold one chunk"):
+                check_fit(cfg, shape.layout())

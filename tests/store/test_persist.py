@@ -1,4 +1,4 @@
-"""Persisting write-back chunks in one process (kvtier.store.persist, ``TieredStore.close`` / ``persist``) and the config
+"""Persisting write-back chunks in one process (kvtier.control.persist, ``TieredStore.close`` / ``persist``) and the config
 keys: what only the cpu tier holds is on disk after ``close`` and a new store finds it; the budget bounds the time
 (oldest first, heads before tails); a persisted chunk lives in both tiers, counted once in each, and its later
 eviction from cpu writes nothing again."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvtier.config import KvtierConfig, load_config
+from kvtier.control.persist import copy_target
 from kvtier.errors import ConfigError
 from kvtier.records.keys import Namespace, chunk_keys
-from kvtier.store.persist import copy_target, persist_memory
-from kvtier.store.tiered import TieredStore
+from kvtier.store.tiered import TieredStore, persist_memory
 
 CHUNK = 16
 SHAPE = (2, 2, CHUNK, 2, 8)

@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.ops import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MARKUP = re.compile(r"``|:(func|mod|data|class|meth|attr|exc):")
 
 

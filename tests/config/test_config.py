@@ -23,7 +23,7 @@ from kvtier.errors import ConfigError
 from kvtier.layout import GroupKind, simple_config
 from kvtier.records.fit import check_fit
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 GiB = 1024**3
 
 
@@ -107,7 +107,7 @@ def test_every_shipped_config_loads_and_round_trips(path: Path) -> None:
 
 def test_default_file_matches_embedded_default(tmp_path: Path) -> None:
     env = {"KVTIER_CACHE_DIR": str(tmp_path)}
-    from_file = load_config(Path(__file__).resolve().parent.parent / "configs" / "default.yaml", env=env)
+    from_file = load_config(Path(__file__).resolve().parents[2] / "configs" / "default.yaml", env=env)
     embedded = load_config(None, env=env)
     assert embedded.tiers == from_file.tiers
     assert [t.name for t in embedded.tiers] == [t["name"] for t in DEFAULT_CONFIG["tiers"]]
@@ -115,7 +115,7 @@ def test_default_file_matches_embedded_default(tmp_path: Path) -> None:
 
 
 def test_hybrid_placement_per_group_kind() -> None:
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "hybrid.yaml", env={})
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "hybrid.yaml", env={})
     assert cfg.tiers_for(GroupKind.FULL_ATTENTION) == ("gpu", "cpu", "disk")
     assert cfg.tiers_for(GroupKind.SLIDING_WINDOW) == ("gpu", "cpu")
     assert cfg.tiers_for(GroupKind.MAMBA) == ("cpu",)

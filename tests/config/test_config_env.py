@@ -42,7 +42,7 @@ def test_the_projects_own_variables_and_the_hmac_key_do_not_warn(caplog: pytest.
 
 def test_every_kvtier_variable_the_project_reads_is_listed() -> None:
     """The scripts' and tests' own variables are in the one list (a new one must be added there)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     texts = [p.read_text() for d in ("scripts", "kvtier", "tests") for p in (root / d).rglob("*")
              if p.suffix in (".py", ".sh") and p.is_file()]
     used = {m for t in texts for m in re.findall(r"(?:environ(?:\.get)?\(|\[|\$\{?)\"?(KVTIER_[A-Z0-9_]+)", t)}

@@ -1,19 +1,61 @@
-"""What ``kvtier stats``, ``inspect`` and ``purge`` share: their common options, config loading, input checks
-and plain-text formatting (times, sizes, tables)."""
+"""What ``kvtier stats``, ``inspect`` and ``purge`` share: the sources of a config's tiers (each medium's offline
+reader, kvtier.tiers.disk.catalog and kvtier.tiers.redis.catalog; the records' model in kvtier.tiers.catalog),
+their common options, config loading, input checks and plain-text formatting (times, sizes, tables)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.tiers.catalog import InProcess, Source
 
 if TYPE_CHECKING:
     from kvtier.config import KvtierConfig
     from kvtier.records.codec import RecordHeader
+
+
+def open_sources(cfg: KvtierConfig, tier: str | None = None, env: Mapping[str, str] | None = None,
+                 ) -> list[Source | InProcess]:
+    """One source per tier of ``cfg`` (only ``tier`` when given; an unknown name raises ``KvtierError``)."""
+    from kvtier.config import DiskTierConfig, RedisTierConfig
+
+    names = [t.name for t in cfg.tiers]
+    if tier is not None and tier not in names:
+        raise ConfigError("--tier", f"no tier named {tier!r} in the config", f"one of {', '.join(names)}")
+    out: list[Source | InProcess] = []
+    for section in cfg.tiers:
+        if tier is not None and section.name != tier:
+            continue
+        if isinstance(section, DiskTierConfig):
+            from kvtier.tiers.disk.catalog import DiskSource
+
+            out.append(DiskSource(section))
+        elif isinstance(section, RedisTierConfig):
+            from kvtier.tiers.redis.catalog import RedisSource
+
+            out.append(RedisSource(section, env))
+        else:
+            out.append(InProcess(section.name, section.kind.value))
+    return out
+
+
+@contextmanager
+def offline_sources(cfg: KvtierConfig, tier: str | None = None) -> Iterator[tuple[list[Source], list[str]]]:
+    """``open_sources`` split for ``kvtier inspect`` and ``purge``: the sources readable offline and the names of the
+    in-process tiers passed over; the sources are closed when the block ends."""
+    found = open_sources(cfg, tier)
+    live = [s for s in found if not isinstance(s, InProcess)]
+    try:
+        yield live, [s.name for s in found if isinstance(s, InProcess)]
+    finally:
+        for source in live:
+            source.close()
+
 
 CONFIG_HELP = ("YAML config file naming the tiers (default: $KVTIER_CONFIG, else the built-in default: "
                "cpu + disk under the user cache dir); KVTIER_* environment variables apply")

@@ -326,3 +326,14 @@ def test_prefix_hd_counts_exposure_by_stamp_bucket_as_it_would_key_by_key() -> N
         assert all(abs(c - e) <= 2 + 0.3 * e for c, e in zip(counted, keyed, strict=True)), cls
         buckets += len(occupancy.buckets)
     assert len(p.ghosts) > 100 and buckets <= NUM_CLASSES * (NUM_BINS * width // (1 << p._shift) + 2)
+
+
+def test_the_config_accepts_exactly_the_policies_and_weight_modes_that_exist() -> None:
+    """The config validates these names without importing the layers that implement them."""
+    from kvtier.config.tree import EVICTION_POLICIES
+    from kvtier.control.policy import POLICIES
+    from kvtier.records.fingerprint import weights_id
+
+    assert tuple(POLICIES) == EVICTION_POLICIES
+    with pytest.raises(ValueError, match="auto, stat, content, off"):
+        weights_id("/nonexistent", mode="bogus")

@@ -10,7 +10,8 @@ from kvtier import __version__
 from kvtier.connector.keying import Identity, manifests, namespaces
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvtier.records.keys import Namespace
-from kvtier.tiers.manifest import MANIFEST_NAME, describe_plainly, manifest_of, read_manifest, write_manifest
+from kvtier.tiers.disk.files import write_manifest
+from kvtier.tiers.manifest import MANIFEST_NAME, describe_plainly, manifest_of, read_manifest
 
 NS = Namespace(model="llama-tiny", kv_dtype="float16", group={"kind": "full_attention", "block_size": 16},
                layer_names=tuple(f"l{i}" for i in range(8)), chunk_size=256, fingerprint="abc")

@@ -1,4 +1,5 @@
-"""Where and how the Redis tier connects: URL parsing, credentials, TLS options, URL redaction.
+"""Where and how kvtier connects to Redis: URL parsing, credentials, TLS options, URL redaction, and
+:func:`make_client`, the one builder of redis-py clients (the tier's, the offline reader's, the probe's).
 
 URLs: ``redis://[user[:password]@]host:port[/db]``, ``rediss://`` (TLS), and for a cluster
 ``redis+cluster://host:port,host:port`` (or ``rediss+cluster://``, or ``cluster: true`` in the section).
@@ -45,7 +46,35 @@ class RedisEndpoint:
         return kw
 
 
-#: The URL with any password replaced by ``***`` (user names are kept); one implementation, in config_parse.
+def make_client(endpoint: RedisEndpoint, section: RedisTierConfig, *, sync: bool = False,
+                node: tuple[str, int] | None = None, retry: bool = False, full_coverage: bool = False,
+                **extra: Any) -> Any:
+    """A redis-py client for ``endpoint`` with the section's credentials, TLS settings and timeouts:
+    ``redis.asyncio`` (the tier) or, with ``sync``, the blocking one (offline tools, the probe). A cluster endpoint
+    gets a cluster client (``full_coverage``: refuse to start while a slot has no node), unless ``node`` names one
+    server to talk to. Without ``retry`` a failed call is not retried: the tier's breaker, or the caller, decides
+    when to try again. ``extra``: more keyword arguments for the client (``max_connections``, hooks)."""
+    if sync:
+        from redis import Redis
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+    else:
+        from redis.asyncio import Redis  # type: ignore[assignment]
+        from redis.asyncio.cluster import ClusterNode, RedisCluster  # type: ignore[assignment]
+        from redis.asyncio.retry import Retry  # type: ignore[assignment]
+    from redis.backoff import NoBackoff
+
+    kw = endpoint.redis_kwargs(section)
+    if not retry:
+        kw["retry"] = Retry(NoBackoff(), 0)
+    if endpoint.cluster and node is None:
+        nodes = [ClusterNode(h, p) for h, p in endpoint.hosts]
+        return RedisCluster(startup_nodes=nodes, require_full_coverage=full_coverage, **kw, **extra)
+    host, port = node or endpoint.hosts[0]
+    return Redis(host=host, port=port, db=endpoint.db, **kw, **extra)
+
+
+#: The URL with any password replaced by ``***`` (user names are kept); one implementation, in kvtier.config.parse.
 redact = redact_url
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.records.keys import DIGEST_BYTES, KEY_BYTES, Namespace, chunk_keys, key_hex, key_namespace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NS = Namespace(model="m", kv_dtype="bfloat16", group={"kind": "full_attention", "block_size": 16},
                layer_names=("l0", "l1"), chunk_size=4)
 TOKENS = list(range(1000, 1010))  # 2 full chunks of 4 and a partial one of 2

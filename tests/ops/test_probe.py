@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from kvtier.bench.redis_servers import RedisClusterServers, TlsFiles, free_port
-from kvtier.ops import cli, probe_host
-from kvtier.ops.probe import FAIL, OK, WARN, probe_disk
-from kvtier.ops.probe_host import meminfo
+from kvtier.ops import cli, probe
+from kvtier.ops.probe import FAIL, OK, WARN, meminfo, probe_disk
 
 SHAPE = "layers=1,kv_heads=1,head_size=8,dtype=bfloat16"  # 512-byte chunks: tiny tiers are valid
 
@@ -185,8 +184,8 @@ def test_a_cpu_tier_bigger_than_ram_warns(tmp_path: Path, capsys: pytest.Capture
     """Above MemAvailable, with the address space reserved (pageable memory, backed as it fills): a warning."""
     if "MemAvailable" not in meminfo():
         pytest.skip("no /proc/meminfo")
-    monkeypatch.setattr(probe_host, "reserve", lambda sizes: None)
-    monkeypatch.setattr(probe_host, "_pinned", lambda tiers: [])
+    monkeypatch.setattr(probe, "reserve", lambda sizes: None)
+    monkeypatch.setattr(probe, "_pinned", lambda tiers: [])
     rc, rep, err = probe_json(capsys, write_config(tmp_path, {"name": "cpu", "kind": "cpu", "capacity": "10TiB"}))
     assert rc == 0 and rep["ok"] is True and err == []  # a warning, not a failure
     found = by_path(rep)["tiers[0].capacity"]
@@ -215,8 +214,8 @@ def test_pinned_cpu_tiers_past_ram_fail(tmp_path: Path, capsys: pytest.CaptureFi
     """Pinned memory is allocated whole at start: past MemAvailable the tier would not start."""
     if "MemAvailable" not in meminfo():
         pytest.skip("no /proc/meminfo")
-    monkeypatch.setattr(probe_host, "reserve", lambda sizes: None)
-    monkeypatch.setattr(probe_host, "_pinned", lambda tiers: list(tiers))  # as on a CUDA host
+    monkeypatch.setattr(probe, "reserve", lambda sizes: None)
+    monkeypatch.setattr(probe, "_pinned", lambda tiers: list(tiers))  # as on a CUDA host
     rc, _, err = probe_json(capsys, write_config(tmp_path, {"name": "cpu", "kind": "cpu", "capacity": "10TiB"}))
     assert rc == 1 and len(err) == 1 and "pinned cpu tiers take 10 TiB, allocated whole at start" in err[0]
     assert "set pin_memory: false" in err[0]

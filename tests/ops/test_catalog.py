@@ -17,11 +17,12 @@ from redis_helpers import Make, fresh_prefix, started_tiers
 
 from kvtier.bench.redis_servers import RedisClusterServers, RedisServer
 from kvtier.config import DiskTierConfig, RedisTierConfig, load_config
+from kvtier.ops.catalog import open_sources
 from kvtier.records.codec import HEADER_SIZE
-from kvtier.tiers.catalog import InProcess, Selection, open_sources, plan, summarize
-from kvtier.tiers.catalog_manifest import NO_MANIFEST, describe, redis_name
+from kvtier.tiers.catalog import InProcess, Selection, plan, summarize
 from kvtier.tiers.disk.catalog import DiskSource
 from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.manifest import NO_MANIFEST, describe, redis_name
 from kvtier.tiers.redis.catalog import RedisSource
 from kvtier.tiers.redis.tier import RedisTier
 
@@ -234,9 +235,9 @@ def test_unreachable_redis_is_reported() -> None:
 
 async def test_describe_failure_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     tier = RedisTier(RedisTierConfig(name="redis", capacity=1, url="redis://127.0.0.1:1/0", connect_timeout=0.2))
-    from kvtier.tiers.catalog_manifest import publish
+    from kvtier.tiers.redis.catalog import publish
 
-    thread = publish(tier, {NS_A: manifest(NS_A, "m")})
+    thread = publish(tier.name, tier.endpoint, tier.section, {NS_A: manifest(NS_A, "m")})
     assert thread is not None
     thread.join(10)
     assert "could not write namespace manifests" in caplog.text

@@ -14,7 +14,7 @@ from kvtier.errors import ConfigError
 from kvtier.ops import cli
 from kvtier.ops.check import ModelShape, parse_model_shape
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KVTIER = Path(sys.executable).parent / "kvtier"
 GiB = 1024**3
 
@@ -73,7 +73,9 @@ def test_check_json_with_model_shape() -> None:
     assert record > rep["model_shape"]["bytes_per_chunk"] == 256 * 2 * 28 * 4 * 128 * 2
     tiers = {t["name"]: t for t in rep["tiers"]}
     assert tiers["gpu"]["capacity_bytes"] == 4 * GiB
-    assert tiers["gpu"]["chunks"] == 4 * GiB // record and tiers["gpu"]["tokens"] == tiers["gpu"]["chunks"] * 256
+    chunk = rep["model_shape"]["bytes_per_chunk"]  # a memory tier holds the payload in a 4 KiB-aligned slot
+    assert tiers["gpu"]["chunks"] == 4 * GiB // (-(-chunk // 4096) * 4096)
+    assert tiers["gpu"]["tokens"] == tiers["gpu"]["chunks"] * 256
     assert tiers["cpu"]["groups"] == ["full_attention", "sliding_window", "mamba"]
     assert rep["placement"]["sliding_window"] == ["gpu", "cpu"]
 
@@ -87,7 +89,8 @@ def test_check_counts_a_hybrids_recurrent_state_per_stored_boundary() -> None:
     rep = json.loads(proc.stdout)
     assert rep["model_shape"]["state_bytes_per_chunk"] == 36 * 2146304
     tiers = {t["name"]: t for t in rep["tiers"]}
-    assert tiers["cpu"]["states"] == 32 * GiB // (36 * 2146304) and tiers["disk"]["states"] == 0  # mamba: [cpu]
+    slot = -(-36 * 2146304 // 4096) * 4096  # the state's payload in a 4 KiB-aligned slot
+    assert tiers["cpu"]["states"] == 32 * GiB // slot and tiers["disk"]["states"] == 0  # mamba: [cpu]
     text = run_kvtier("check", "configs/hybrid.yaml", "--model-shape", shape).stdout
     assert "36 layers x 2.05 MiB: 73.69 MiB per stored state" in text
     misfit = run_kvtier("check", "configs/hybrid.yaml", "--model-shape", shape.replace("block_size=32", "block_size=96"))

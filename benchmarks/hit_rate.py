@@ -2,7 +2,7 @@
 
 With no options it replays the Mooncake conversation trace (``benchmarks/traces/``) at 5/10/20/40% of its
 unique chunks plus a two-tier set-up, for every registered policy, and writes
-benchmarks/results/hit_rate_mooncake.json and .png. See kvtier/bench/hitrate.py for the semantics.
+benchmarks/results/hit_rate_mooncake.json and .png. See kvtier/bench/hitrate_cli.py for the semantics.
 
 ``python benchmarks/hit_rate.py --cost`` instead measures what each policy costs per call (CPU ns per insert,
 touch or evict, as the directory makes them, interleaved rounds in one run) and its memory per held key, on
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--cost"]:
         return cost()
-    parser = argparse.ArgumentParser(prog="benchmarks/hit_rate.py", description=hitrate.__doc__,
+    parser = argparse.ArgumentParser(prog="benchmarks/hit_rate.py", description=hitrate_cli.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     hitrate_cli.add_arguments(parser)
     return hitrate_cli.run(parser.parse_args(argv or DEFAULTS))

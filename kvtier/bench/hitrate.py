@@ -1,15 +1,6 @@
-"""Hit-rate replay, ``kvtier bench hit-rate``: a workload through kvtier's own directory and policies.
-
-Chunk by chunk, without moving bytes: an hour-long trace replays in seconds. Results: ``hit_rate.json`` (always)
-and its chart in ``--out DIR`` (default ``./benchmarks/results``; ``./kvtier-results`` with ``--quick``), or at
-``--json FILE`` / ``--plot FILE``.
-
-Semantics: a request hits the longest prefix of its chunks held by any tier (each hit chunk is attributed to
-the tier holding it); then all its chunks are inserted (misses) or touched (hits) in prefix order. New and
-promoted chunks go to tier 0; a tier that is full asks its policy for a victim, which is demoted to the next
-tier (exclusive tiers) or dropped from the last one. Token hit rate = sum of min(hit chunks x chunk tokens,
-input length) over the sum of input lengths.
-"""
+"""The replay behind ``kvtier bench hit-rate``: a workload through kvtier's own directory and policies, chunk by
+chunk, without moving bytes. What it measures and how: :mod:`kvtier.bench.hitrate_cli`, the command (its docstring
+is the benchmark's ``--help``)."""
 
 from __future__ import annotations
 

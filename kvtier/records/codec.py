@@ -61,11 +61,12 @@ def stored_size(payload_bytes: int, *, signed: bool, memory: bool, slot_bytes: i
         return record_size(payload_bytes, signed)
     if payload_bytes <= 0:
         return 0
-    slot = _aligned(slot_bytes or payload_bytes)
+    slot = slot_aligned(slot_bytes or payload_bytes)
     return -(-payload_bytes // slot) * slot
 
 
-def _aligned(nbytes: int) -> int:
+def slot_aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole ``SLOT_ALIGN``: the size of a memory slot that holds them."""
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 

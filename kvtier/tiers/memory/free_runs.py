@@ -7,13 +7,7 @@ mark, and the memory, at the peak of what was stored when records have one size.
 
 from __future__ import annotations
 
-from kvtier.records.codec import SLOT_ALIGN
-
 Run = tuple[int, int]  # (first slot, number of slots)
-
-
-def round_up(n: int, align: int = SLOT_ALIGN) -> int:
-    return -(-n // align) * align
 
 
 class FreeRuns:

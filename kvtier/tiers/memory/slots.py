@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.records.codec import stored_size
+from kvtier.records.codec import slot_aligned, stored_size
 from kvtier.records.keys import Key
 from kvtier.tiers.memory.arena import Arena
 from kvtier.tiers.memory.copies import Piece, copy_pieces
-from kvtier.tiers.memory.free_runs import FreeRuns, Run, round_up
+from kvtier.tiers.memory.free_runs import FreeRuns, Run
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
 
 
@@ -46,7 +46,7 @@ class SlotPool:
         self.capacity = int(capacity)
         self.device = torch.device(device)
         self.pin_memory = pin_memory
-        self._slot = round_up(slot_bytes) if slot_bytes else 0
+        self._slot = slot_aligned(slot_bytes) if slot_bytes else 0
         self._buf: torch.Tensor | None = None
         self._arena: Arena | None = None
         self._free: FreeRuns | None = None
@@ -143,9 +143,9 @@ class SlotPool:
         src = tensor.contiguous()  # itself when already contiguous; else a copy the piece keeps alive
         n = src.numel() * src.element_size()
         if n and not self._slot:
-            if round_up(n) > self.capacity:
+            if slot_aligned(n) > self.capacity:
                 return False
-            self._slot = round_up(n)
+            self._slot = slot_aligned(n)
             self._free = FreeRuns(self.capacity // self._slot)
         need = math.ceil(n / self._slot) if n else 0
         old = self._map.get(key)

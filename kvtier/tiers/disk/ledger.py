@@ -8,7 +8,6 @@ descriptor per transaction, so threads of one process exclude each other too):
 
     {"kvtier_ledger": 2, "quota": <bytes for the whole directory>,
      "bytes": {"<namespace hex>": <bytes of its record files>, ...},
-     "reserved": {"<member id>": {"<namespace hex>": <bytes reserved for records not yet in place>}, ...},
      "members": {"<member id>": {...}, ...}}
 
   ``members`` is a copy of the member files as of the last transaction, for reading: membership is read from
@@ -23,12 +22,9 @@ The rules:
   change (kvtier.tiers.disk.shared): a record is counted, the ledger written, then the record renamed into
   place; a record is unlinked, then uncounted. A process killed in between leaves bytes no file holds (an
   overcount: the quota still holds), which the next transaction recounts (below).
-* The directory's total is its files' bytes plus the reservations of live members; a member that is gone takes
-  its reservations along (``reserved`` lists live members only).
 * A ledger that is absent, unreadable or invalid (not JSON, wrong schema) is rebuilt under the lock before the
   transaction goes on (``fresh``): bytes from the record files' sizes, the quota from the live members' files
-  (else the caller's), no reservations (a write whose reservation was lost is checked against the quota again
-  as it lands). A member of this host found dead without having left (killed, perhaps inside a transaction)
+  (else the caller's). A member of this host found dead without having left (killed, perhaps inside a transaction)
   also makes the transaction recount the bytes from the files (``recounted``). Membership lives in the member
   files, so a rebuild never takes a running process's namespaces for orphans.
 """
@@ -56,7 +52,7 @@ log = logging.getLogger(__name__)
 
 LEDGER_NAME = ".kvtier-ledger"
 LOCK_NAME = ".kvtier-lock"
-LEDGER_VERSION = 2
+LEDGER_VERSION = 3  # 2 had reservations: a write now counts its bytes in one transaction, as it lands
 STEP_HOOK: Callable[[str], None] | None = None  # tests only: called with each step of a transaction's writes
 
 
@@ -74,18 +70,13 @@ class LedgerState:
     bytes: dict[str, int] = field(default_factory=dict)
     members: dict[str, dict[str, Any]] = field(default_factory=dict)
     fresh: bool = False  # the file was absent or invalid: rebuilt from the files
-    reserved: dict[str, dict[str, int]] = field(default_factory=dict)
     recounted: bool = False  # bytes were counted from the files in this transaction
     written: builtins.bytes = field(default=b"", repr=False)  # the ledger file as it is on disk
     roster: Roster = field(default_factory=Roster, repr=False)  # the member files as they are on disk
 
     def total(self) -> int:
-        """The directory's bytes: its record files', and every live member's reservations."""
-        return sum(self.bytes.values()) + sum(sum(r.values()) for r in self.reserved.values())
-
-    def held(self, namespace: str) -> int:
-        """A namespace's bytes: its record files', and the reservations for it."""
-        return self.bytes.get(namespace, 0) + sum(r.get(namespace, 0) for r in self.reserved.values())
+        """The directory's bytes: its record files'."""
+        return sum(self.bytes.values())
 
     def add(self, namespace: str, n: int) -> None:
         """Count ``n`` more bytes of files (negative: fewer) for ``namespace``; never below zero."""
@@ -94,23 +85,6 @@ class LedgerState:
             self.bytes[namespace] = left
         else:
             self.bytes.pop(namespace, None)
-
-    def reserve(self, member: str, namespace: str, n: int) -> None:
-        """Reserve ``n`` bytes for ``member``'s records of ``namespace`` not yet in place."""
-        if n > 0:
-            mine = self.reserved.setdefault(member, {})
-            mine[namespace] = mine.get(namespace, 0) + n
-
-    def release(self, member: str, namespace: str, n: int) -> None:
-        """End ``n`` bytes of those reservations (fewer where a rebuild lost them)."""
-        mine = self.reserved.get(member, {})
-        left = mine.get(namespace, 0) - n
-        if left > 0:
-            mine[namespace] = left
-        else:
-            mine.pop(namespace, None)
-        if not mine:
-            self.reserved.pop(member, None)
 
     def claimed_by_others(self, me: str) -> set[str]:
         """Namespaces that live members other than ``me`` serve (members of ``me``'s own process included:
@@ -140,17 +114,16 @@ def _parse(raw: bytes) -> LedgerState | None:
         data = json.loads(raw)
         if not isinstance(data, dict) or data.get("kvtier_ledger") != LEDGER_VERSION:
             return None
-        quota, reserved = data["quota"], data["reserved"]
-        if not isinstance(quota, int) or isinstance(quota, bool) or quota <= 0 or not isinstance(reserved, dict):
+        quota = data["quota"]
+        if not isinstance(quota, int) or isinstance(quota, bool) or quota <= 0:
             return None
-        return LedgerState(quota, _counts(data["bytes"]), reserved={str(m): _counts(r) for m, r in reserved.items()})
+        return LedgerState(quota, _counts(data["bytes"]))
     except (ValueError, KeyError, TypeError):
         return None
 
 
 def _dump(state: LedgerState) -> bytes:
-    body = {"kvtier_ledger": LEDGER_VERSION, "quota": state.quota, "bytes": state.bytes,
-            "reserved": {m: r for m, r in state.reserved.items() if r}, "members": state.members}
+    body = {"kvtier_ledger": LEDGER_VERSION, "quota": state.quota, "bytes": state.bytes, "members": state.members}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -191,7 +164,7 @@ class Ledger:
         """A snapshot of the ledger (taken under the lock, changes discarded)."""
         with self.locked(default_quota, write=False) as state:
             return LedgerState(state.quota, dict(state.bytes), {k: dict(m) for k, m in state.members.items()},
-                               state.fresh, {k: dict(r) for k, r in state.reserved.items()}, state.recounted)
+                               state.fresh, state.recounted)
 
     def _load(self, default_quota: int) -> LedgerState:
         roster = self.member_files.load(time.time())
@@ -201,7 +174,6 @@ class Ledger:
             quotas = [m["quota"] for m in roster.live.values() if isinstance(m.get("quota"), int) and m["quota"] > 0]
             state = LedgerState(min(quotas, default=default_quota), fresh=True)
         state.members, state.roster, state.written = roster.live, roster, raw
-        state.reserved = {m: r for m, r in state.reserved.items() if m in state.members}
         if state.fresh or roster.died:
             state.bytes = count_records(self.root)
             state.recounted = True

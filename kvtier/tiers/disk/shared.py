@@ -5,7 +5,7 @@ The rule (the disk tier's docstring says why):
 * The directory has one quota, kept in its ledger (kvtier.tiers.disk.ledger): the capacity of the process that
   created the ledger. A process configured with another capacity logs a warning; it keeps the directory's
   quota for the whole directory and its own capacity for its own namespaces.
-* Every put reserves its bytes in the ledger under the lock. When the directory would go over its quota, a
+* Every put counts its bytes in the ledger under the lock. When the directory would go over its quota, a
   process whose namespaces (with the new bytes) stay within a fair share (the quota split evenly between the
   namespaces running processes serve) makes room from the oldest records of namespaces no running process
   serves (orphans), then from the oldest of the other running process's namespace furthest over its share,
@@ -16,11 +16,12 @@ The rule (the disk tier's docstring says why):
 * A process's namespaces: those it was told of (``DiskTier.describe``) and those it writes; without a
   description, at start also those whose directory has no manifest and that no other running process serves
   (a ``TieredStore`` of raw keys adopts what its earlier run wrote).
-* The ledger counts the record files exactly: a put reserves its bytes, writes its records into temp files
-  (lock not held), then, under the lock, ends the reservation and renames each record into place, counting what
-  its file adds (its size less the file it replaces, as found then); one that would now take the directory over
-  its quota (the file it replaced vanished, or a rebuilt ledger lost the reservation) is dropped. Deletions unlink
-  and uncount under the lock. Two processes writing one key thus count it once.
+* The ledger counts the record files exactly, in one transaction per put: the put writes its records into temp
+  files (lock not held), then, under the lock, counts each record by what its file adds (its size less the file
+  it replaces, as found then), making room by the rule above, writes the ledger, and renames the counted records
+  into place; one that would still take the directory over its quota is dropped. Deletions unlink and uncount
+  under the lock. Two processes writing one key thus count it once. The temp files of the puts in flight are
+  not counted: the directory may hold one batch of them per writing process beyond its quota.
 
 The blocking methods run in worker threads; the tier calls them with what it read on the event loop thread.
 """
@@ -32,15 +33,14 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier.records.keys import DIGEST_BYTES, Key
-from kvtier.tiers.disk.files import Staged, discard, write_manifest
+from kvtier.tiers.disk.files import Staged, discard, fsync_dir, write_manifest
 from kvtier.tiers.disk.index import SUFFIX, Layout, ScanResult, count_records
 from kvtier.tiers.disk.ledger import HOST, Ledger, LedgerState, step
 from kvtier.tiers.disk.members import SEEN_EVERY
-from kvtier.tiers.disk.placement import Batch, admit, rename, size_of, sync_dirs
 from kvtier.tiers.manifest import read_manifest, same_namespace
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,6 @@ class Victim:
 
     key: Key
     own: bool
-
-
-@dataclass
-class Reservation:
-    """What a batch reserved: per item the bytes reserved (None: refused), and the records deleted for room."""
-
-    counted: list[int | None] = field(default_factory=list)
-    evicted: dict[Key, int] = field(default_factory=dict)
 
 
 class SharedDirectory:
@@ -124,7 +116,6 @@ class SharedDirectory:
         try:
             with self.ledger.locked(self.capacity) as state:
                 state.members.pop(self.me, None)
-                state.reserved.pop(self.me, None)
         except OSError as exc:
             log.warning("disk tier %s: cannot leave the ledger of %s: %s", self.name, self.layout.root, exc)
 
@@ -134,93 +125,82 @@ class SharedDirectory:
             self._note(state, own)
         self.write_manifests(own, True)
 
-    def store(self, items: Sequence[tuple[Key, T]], uppers: Sequence[int], victims: Sequence[Victim],
-              own: Sequence[bytes], stage: Callable[[Sequence[tuple[Key, T]]], list[Staged | Exception]],
-              ) -> tuple[list[int | Exception | None], Reservation]:
-        """Reserve the items' bytes (``uppers``: file sizes at most) deleting ``victims`` for room as needed,
-        write the manifests of their namespaces, ``stage`` the items that fit (each into its temp file), and put
-        those in place (``_place``). Per item: its file size, the error that dropped it, or None where the
-        directory is full."""
-        room = self.reserve([(k, n) for (k, _), n in zip(items, uppers, strict=True)], victims, own)
+    def store(self, items: Sequence[tuple[Key, T]], victims: Sequence[Victim], own: Sequence[bytes],
+              stage: Callable[[Sequence[tuple[Key, T]]], list[Staged | Exception]],
+              ) -> tuple[list[int | Exception | None], dict[Key, int]]:
+        """Write the manifests of the items' namespaces, ``stage`` every item into its temp file (the lock not
+        held), then in one transaction under the lock: make room for each staged record that adds bytes,
+        deleting ``victims`` as the rule allows, count it (one that still does not fit is dropped), write the
+        ledger, and rename the counted records into place (a process killed in between leaves an overcount,
+        never an undercount). Per item: its file size, the error that dropped it, or None where the directory
+        is full; and the records deleted for room with their sizes."""
         self.write_manifests(sorted({k[:DIGEST_BYTES] for k, _ in items}), True)
-        staged = iter(stage([item for item, counted in zip(items, room.counted, strict=True) if counted is not None]))
-        batch = [(key, None if counted is None else next(staged), counted)
-                 for (key, _), counted in zip(items, room.counted, strict=True)]
-        return self._place(batch), room
-
-    def _place(self, batch: Batch) -> list[int | Exception | None]:
-        """Under the lock: end the batch's reservations (``(key, staged, reserved)``), count each staged record
-        that fits, write the ledger, then rename them into place (a process killed in between leaves an
-        overcount, never an undercount). Per item: its file size, the error that dropped it, or None."""
-        out: list[int | Exception | None] = [s if isinstance(s, Exception) else None for _, s, _ in batch]
-        if all(counted is None for _, _, counted in batch):
-            return out
+        staged = stage(items)
+        out: list[int | Exception | None] = [s if isinstance(s, Exception) else None for s in staged]
+        evicted: dict[Key, int] = {}
+        if not any(isinstance(s, Staged) for s in staged):
+            return out, evicted
         try:
             with self.ledger.locked(self.capacity) as state:
-                for key, _, counted in batch:
-                    state.release(self.me, key[:DIGEST_BYTES].hex(), counted or 0)
-                placing = admit(state, batch)
+                self._note(state, own)
+                placing = self._admit(state, [k for k, _ in items], staged, victims, evicted)
+                if evicted:
+                    step("evicted")
                 self.ledger.save(state)
                 step("counted")
-                for i, staged, delta in placing:
-                    out[i] = rename(state, batch[i][0], staged, delta)
+                for i, done, delta in placing:
+                    out[i] = rename(state, items[i][0], done, delta)
                 step("placed")
                 self.total = state.total()
         except OSError as exc:
             log.warning("disk tier %s: cannot count writes in the ledger of %s: %s", self.name, self.layout.root, exc)
-            for i, (_, left, _) in enumerate(batch):
+            for i, left in enumerate(staged):
                 if isinstance(left, Staged) and not isinstance(out[i], int):
                     discard(left.tmp)
                     out[i] = exc
         if self.fsync:
-            sync_dirs(self.name, [s.final for (_, s, _), got in zip(batch, out, strict=True)
+            sync_dirs(self.name, [s.final for s, got in zip(staged, out, strict=True)
                                   if isinstance(s, Staged) and isinstance(got, int)])
-        return out
+        return out, evicted
 
-    def reserve(self, items: Sequence[tuple[Key, int]], victims: Sequence[Victim], own: Sequence[bytes]) -> Reservation:
-        """Count each item's bytes (``(key, upper bound of its file size)``, less the file it replaces) if the
-        directory stays within its quota, making room while it would not: below our fair share from orphans,
-        then from the namespace furthest over its share, then from our own; else from our own, then orphans."""
-        out = Reservation()
-        with self.ledger.locked(self.capacity) as state:
-            self._note(state, own)
-            foreign = state.claimed_by_others(self.me)
-            mine = [v for v in victims if v.own]
-            orphans = [v for v in victims if not v.own and v.key[:DIGEST_BYTES].hex() not in foreign]
-            total = state.total()
-            for key, upper in items:
-                need = upper - size_of(self.layout.path(key))
-                if total + need > state.quota:
-                    if self._below_share(state, need):
-                        total -= self._take(state, orphans, state.quota - need - total, out.evicted)
-                        if total + need > state.quota:
-                            total -= self._fair_share(state, total + need - state.quota, out.evicted)
-                    for pending in (mine, orphans):
-                        total -= self._take(state, pending, state.quota - need - total, out.evicted)
-                if total + need > state.quota:
-                    out.counted.append(None)
+    def _admit(self, state: LedgerState, keys: Sequence[Key], staged: Sequence[Staged | Exception],
+               victims: Sequence[Victim], evicted: dict[Key, int]) -> list[tuple[int, Staged, int]]:
+        """Count each staged record by what its file adds (its size less the file it replaces, as found now),
+        making room while the directory would go over its quota: below our fair share from orphans, then from
+        the namespace furthest over its share, then from our own; else from our own, then orphans. One that
+        still does not fit is dropped (its temp file removed). The counted ones: ``(position, staged, bytes)``."""
+        foreign = state.claimed_by_others(self.me)
+        mine = [v for v in victims if v.own]
+        orphans = [v for v in victims if not v.own and v.key[:DIGEST_BYTES].hex() not in foreign]
+        placing: list[tuple[int, Staged, int]] = []
+        for i, (key, record) in enumerate(zip(keys, staged, strict=True)):
+            if not isinstance(record, Staged):
+                continue
+            need = record.size - size_of(record.final)
+            if need > 0 and state.total() + need > state.quota:
+                if self._below_share(state, need):
+                    self._take(state, orphans, need, evicted)
+                    if state.total() + need > state.quota:
+                        self._fair_share(state, state.total() + need - state.quota, evicted)
+                for pending in (mine, orphans):
+                    self._take(state, pending, need, evicted)
+                if state.total() + need > state.quota:
+                    discard(record.tmp)
                     continue
-                state.reserve(self.me, key[:DIGEST_BYTES].hex(), max(need, 0))
-                total += max(need, 0)
-                out.counted.append(max(need, 0))
-            if out.evicted:
-                step("evicted")
-            self.total = total
-        return out
+            state.add(key[:DIGEST_BYTES].hex(), need)
+            placing.append((i, record, need))
+        return placing
 
-    def _take(self, state: LedgerState, pending: list[Victim], room: int, evicted: dict[Key, int]) -> int:
-        """Delete records from the front of ``pending`` (removing them from it) until ``room`` is not negative;
-        the bytes freed."""
-        freed = 0
-        while room + freed < 0 and pending:
-            freed += self._unlink(state, pending.pop(0).key, evicted)
-        return freed
+    def _take(self, state: LedgerState, pending: list[Victim], need: int, evicted: dict[Key, int]) -> None:
+        """Delete records from the front of ``pending`` (removing them from it) until ``need`` more bytes fit."""
+        while state.total() + need > state.quota and pending:
+            self._unlink(state, pending.pop(0).key, evicted)
 
     def _below_share(self, state: LedgerState, need: int) -> bool:
         """Whether our namespaces, with ``need`` more bytes, stay within a fair share of the quota."""
         mine = set(state.members.get(self.me, {}).get("namespaces", ()))
         live = mine | state.claimed_by_others(self.me)
-        return sum(state.held(h) for h in mine) + need <= state.quota // max(1, len(live))
+        return sum(state.bytes.get(h, 0) for h in mine) + need <= state.quota // max(1, len(live))
 
     def _fair_share(self, state: LedgerState, wanted: int, evicted: dict[Key, int]) -> int:
         """Free up to ``wanted`` bytes from the namespace furthest over its fair share (the quota split evenly
@@ -228,14 +208,14 @@ class SharedDirectory:
         the bytes freed. The caller checks that ours are below our share."""
         mine = set(state.members.get(self.me, {}).get("namespaces", ()))
         share = state.quota // max(1, len(mine | state.claimed_by_others(self.me)))
-        richest = max((h for h in state.bytes if h not in mine), key=state.held, default=None)
-        if richest is None or state.held(richest) <= share:
+        richest = max((h for h in state.bytes if h not in mine), key=lambda h: state.bytes.get(h, 0), default=None)
+        if richest is None or state.bytes.get(richest, 0) <= share:
             return 0
         freed = 0
         for key in _oldest(os.path.join(self.layout.root, richest)):
             if freed >= wanted:
                 break
-            if state.held(richest) - size_of(self.layout.path(key)) < share:
+            if state.bytes.get(richest, 0) - size_of(self.layout.path(key)) < share:
                 break  # this record would take the namespace below its share
             freed += self._unlink(state, key, evicted)
         return freed
@@ -296,3 +276,31 @@ def _oldest(directory: str) -> list[Key]:
                 except (OSError, ValueError):
                     continue
     return [key for _, key in sorted(found)]
+
+
+def rename(state: LedgerState, key: Key, staged: Staged, delta: int) -> int | Exception:
+    """Rename a counted record into place; its size, or the error that dropped it (then uncounted)."""
+    try:
+        os.replace(staged.tmp, staged.final)
+    except OSError as exc:
+        discard(staged.tmp)
+        state.add(key[:DIGEST_BYTES].hex(), -delta)
+        return exc
+    return staged.size
+
+
+def sync_dirs(name: str, paths: Sequence[str]) -> None:
+    """Make the renames of these records durable (the tier's ``fsync``); a failure is logged."""
+    for directory in sorted({os.path.dirname(p) for p in paths}):
+        try:
+            fsync_dir(directory)
+        except OSError as exc:
+            log.warning("disk tier %s: cannot fsync %s: %s", name, directory, exc)
+
+
+def size_of(path: str) -> int:
+    """A file's size; 0 when there is none."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0

@@ -13,9 +13,9 @@ of one engine): kvtier.tiers.disk.shared has the rule. One quota for the directo
 share (quota / namespaces served) deletes the oldest of orphans (namespaces no running process serves), then of
 the namespace furthest over its share (never below it), then its own; at its share, its own then orphans'. No global
 LRU (each evicts by age within what it may take), and a namespace at or below its share is never cut by
-another process. A put costs two short ledger transactions in the writer thread (no extra thread hop): one
-reserves its bytes, one renames its records into place and counts them, so the ledger matches the files (a
-killed process's reservations go with it; kvtier.tiers.disk.ledger). Manifests: kvtier.tiers.manifest.
+another process. A put costs one short ledger transaction in the writer thread (no extra thread hop), after its
+records are written into temp files: it makes room, counts them and renames them into place, so the ledger
+matches the files (kvtier.tiers.disk.ledger). Manifests: kvtier.tiers.manifest.
 
 Writes: encode (kvtier.records.codec, optional compression and HMAC) into a temp file in the target directory, fsync
 when configured, ``os.replace`` under the ledger's lock. The quota counts whole files; a put that would exceed
@@ -54,7 +54,7 @@ from kvtier.tiers.disk.files import Staged
 from kvtier.tiers.disk.index import DIR_MODE, PATH_ERRNOS, Layout, scan
 from kvtier.tiers.disk.io import NOWAIT_FLAGS, SMALL_RECORD, Deferred, ReadResult, read_records, read_runs, stage_record
 from kvtier.tiers.disk.records import Records
-from kvtier.tiers.disk.shared import Reservation, SharedDirectory, Victim
+from kvtier.tiers.disk.shared import SharedDirectory, Victim
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
 from kvtier.tiers.runtime import background_thread
 
@@ -304,9 +304,9 @@ class DiskTier(Tier):
             batch = [items[i] for i in accepted]
             self._records.take({key[:DIGEST_BYTES] for key, _ in batch})  # a namespace we write is ours
             victims = self._room_for(batch)
-            sizes, room = await loop.run_in_executor(self._writer(), self._store_batch, batch, victims,
-                                                     sorted(self._records.own))
-            self._evicted(room)
+            sizes, evicted = await loop.run_in_executor(self._writer(), self._shared.store, batch, victims,
+                                                        sorted(self._records.own), self._write_many)
+            self._evicted(evicted)
         finally:  # cancelled or not, the reservations end and waiters go on
             for i in accepted:
                 key, tensor = items[i]
@@ -347,16 +347,10 @@ class DiskTier(Tier):
         keep = {k for k, _ in batch} | set(self._writing)
         return list(self._records.victims(over, keep, self._shared.foreign))
 
-    def _evicted(self, room: Reservation) -> None:
-        for key in room.evicted:
+    def _evicted(self, evicted: Mapping[Key, int]) -> None:
+        for key in evicted:
             self._records.forget(key)
-        self._stats.evictions += len(room.evicted)
-
-    def _store_batch(self, items: Sequence[tuple[Key, torch.Tensor]], victims: Sequence[Victim],
-                     own: Sequence[bytes]) -> tuple[list[int | Exception | None], Reservation]:
-        """In the writer thread: ``SharedDirectory.store`` with ``_write_many``."""
-        uppers = [self.stored_size(t.numel() * t.element_size()) for _, t in items]
-        return self._shared.store(items, uppers, victims, own, self._write_many)
+        self._stats.evictions += len(evicted)
 
     def _write_many(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[Staged | Exception]:
         """Write each record into its temp file (blocking, in the writer thread; ``SharedDirectory.store`` renames

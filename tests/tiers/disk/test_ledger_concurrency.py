@@ -62,4 +62,4 @@ def test_two_writers_of_the_same_keys_keep_the_ledger_equal_to_the_files_within_
         for w in writers:
             w.close()
     book = ledger(root)
-    assert book["bytes"] == disk_bytes(root) and book["members"] == {} and not book.get("reserved")
+    assert book["bytes"] == disk_bytes(root) and book["members"] == {}

@@ -1,6 +1,6 @@
 """Run ``kvtier bench hit-rate`` from a checkout: ``python benchmarks/hit_rate.py [options]``.
 
-With no options it replays the Mooncake conversation trace (``benchmarks/traces/``) at 5/10/20/40% of its
+With no options it replays the Mooncake conversation trace (``kvtier/bench/traces/``) at 5/10/20/40% of its
 unique chunks plus a two-tier set-up, for every registered policy, and writes
 benchmarks/results/hit_rate_mooncake.json and .png. See kvtier/bench/hitrate_cli.py for the semantics.
 

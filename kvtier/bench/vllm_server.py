@@ -125,11 +125,9 @@ def _wait_ready(server: Server, timeout_s: float) -> None:
 
 @contextmanager
 def running(spec: ServerSpec, log: Path, timeout_s: float = 600) -> Iterator[Server]:
-    """Start the server (kvtier importable from this checkout, ``CPU_LAYOUT`` unless ``spec.env`` says otherwise),
-    wait for ``/health``, stop it on exit."""
-    root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, **CPU_LAYOUT, **spec.env, "PYTHONPATH": path}
+    """Start the server (with the kvtier installed in this Python, ``CPU_LAYOUT`` unless ``spec.env`` says
+    otherwise), wait for ``/health``, stop it on exit."""
+    env = {**os.environ, **CPU_LAYOUT, **spec.env}
     env.pop("VLLM_TARGET_DEVICE", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(spec.command(), stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -7,13 +7,14 @@
 
 A chunk no tier of the chain takes is returned in ``Placement.unplaced`` (and counted by the directory as
 ``unplaced``), never dropped silently. Chunks a tier already holds, ready or with a write in flight, are not
-planned again, for it or (write-back) for any tier after it.
+planned again, for it or (write-back) for any tier after it. The directory does not track shared tiers (other
+processes write and evict there): ``without_known`` takes out of the plans the chunks a lookup just found in one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
 
 from kvtier.config import WritePolicy
 from kvtier.control.directory import Directory, StorePlan
@@ -78,3 +79,18 @@ def _write_through(directory: Directory, chain: list[str], entries: list[Entry],
         placed.update(k for p in made if p.tier == tier for k in p.store)
         placed.update(k for k, _, _ in entries if directory.holds(tier, k))
     return plans, [k for k, _, _ in entries if k not in placed]
+
+
+def without_known(plans: Sequence[StorePlan], known: Collection[tuple[str, Key]]) -> list[StorePlan]:
+    """``plans`` without storing the keys a shared tier is known to hold (``(tier, key)`` pairs: a lookup just
+    found them there); writing them again would cost the engine a copy and the medium a write for nothing. Only
+    pairs of shared tiers belong in ``known``: their plans reserve nothing in the directory, so a key taken out
+    leaves nothing pending."""
+    if not known:
+        return list(plans)
+    out: list[StorePlan] = []
+    for plan in plans:
+        store = tuple(k for k in plan.store if (plan.tier, k) not in known)
+        if store or plan.evicted:
+            out.append(plan if len(store) == len(plan.store) else replace(plan, store=store))
+    return out

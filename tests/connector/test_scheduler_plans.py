@@ -7,7 +7,8 @@ from pathlib import Path
 
 from scheduler_harness import FULL, SCHED, SWA, TOKENS, Build, C, make_cfg, schedule_new
 
-from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig, WritePolicy
+from kvtier.bench.redis_servers import RedisServer
+from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig, RedisTierConfig, WritePolicy
 from kvtier.connector.tiered import TieredConnector
 from kvtier.engine.types import CachedRequestData, KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.layout import KVCacheConfig, simple_config
@@ -140,3 +141,30 @@ def test_output_tokens_are_saved_once_their_chunk_is_full(harness: Build) -> Non
     keys = h.keys([*TOKENS[:20], 7, 7, 7, 7])[0]
     assert [s.keys for s in meta.saves] == [(keys[2],)]
     assert meta.saves[0].block_ids == ((5, 6),)
+
+
+def test_a_chunk_found_in_a_shared_tier_is_not_written_there_again_unless_its_load_failed(harness: Build) -> None:
+    """A Redis hit (the directory tracks no shared tier) plans no save of the chunks it loads back into Redis: the
+    gather and the write would cost the engine and the medium what the hit saved. The chunks the request computes
+    past the hit are saved; after a failed load the recomputed chunks are saved again, their Redis copy included."""
+    with RedisServer() as server:
+        cfg = KvtierConfig(chunk_size=C, tiers=(RedisTierConfig("redis", 1 << 22, url=server.url),),
+                           policy=PolicyConfig(eviction="lru"))
+        h = harness(KVCacheConfig((FULL,)), cfg=cfg)
+        h.place(TOKENS, 0, [0, 1], tier="redis")
+        keys = h.keys(TOKENS)[0]
+        ids = list(range(1, 10))
+        for name, fail in (("r", False), ("s", True)):
+            req = Request(name, TOKENS)
+            assert h.conn.get_num_new_matched_tokens(req, 0) == (2 * C, True)
+            h.conn.update_state_after_alloc(req, KVCacheBlocks((ids,)), 2 * C)
+            meta = schedule_new(h.conn, req, (ids,), 2 * C, 2 * C)  # computes chunks 2 and 3 past the hit
+            assert [s.tier for s in meta.loads] == ["redis"]
+            assert [(p.tier, p.store) for s in meta.saves for p in s.plans] == [("redis", (keys[2], keys[3]))]
+            if fail:  # block 3 = chunk 1: recomputed from there, chunks 1-3 saved again
+                h.conn.update_connector_output(KVConnectorOutput(invalid_block_ids={3}))
+                cached = CachedRequestData([name], new_block_ids=[None], num_computed_tokens=[C])
+                meta = h.conn.build_connector_meta(SchedulerOutput(scheduled_cached_reqs=cached,
+                                                                   num_scheduled_tokens={name: 3 * C}))
+                stored = [k for s in meta.saves for p in s.plans if p.tier == "redis" for k in p.store]
+                assert stored == [keys[1], keys[2], keys[3]]

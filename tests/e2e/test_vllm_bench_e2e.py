@@ -84,7 +84,7 @@ def test_bench_vllm_overhead_quick_run_times_kvtier_working_and_paused(workdir: 
 
 
 @pytest.mark.timeout(900)  # the engines start in subprocesses; pytest's 300 s default is too tight on a loaded machine
-@pytest.mark.skipif(not DEFAULT_TRACE.exists(), reason="the Mooncake trace in benchmarks/traces is not here")
+@pytest.mark.skipif(not DEFAULT_TRACE.exists(), reason="the Mooncake trace in kvtier/bench/traces is not here")
 def test_bench_vllm_replay_quick_run_accounts_every_hit_and_changes_no_answer(workdir: Path) -> None:
     """``kvtier bench vllm-replay --quick``: 150 trace requests through four engines with KV memory for 10% of the
     working set. Every engine's completions equal the prefix-cache engine's; kvtier's modes hit beyond vLLM's

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import engine_env
 
 from kvtier.bench.redis_servers import free_port
 from kvtier.bench.vllm_server import Server, ServerSpec, kvtier_transfer, metric, metric_sum, running
-from tests.e2e.conftest import engine_env
 
 CHUNK, BLOCK = 64, 32
 SHARED = 160  # 5 blocks, 2.5 chunks

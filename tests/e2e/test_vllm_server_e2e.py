@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import engine_env
 
 from kvtier.bench.redis_servers import free_port
 from kvtier.bench.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, metric, running
-from tests.e2e.conftest import engine_env
 
 CHUNK = 32
 CHUNK_BYTES = 4 * 2 * 2 * 64 * 4 * CHUNK  # tiny Llama: 4 layers, K/V, 2 heads of 64, float32

@@ -34,7 +34,7 @@ from kvtier.connector.scheduler.request_state import Hit, ReqState, tokens_of
 from kvtier.connector.scheduler.reuse import SeenCounter
 from kvtier.connector.scheduler.states import boundary_offers, state_chunks
 from kvtier.control.directory import Directory, StorePlan
-from kvtier.control.planner import place
+from kvtier.control.planner import place, without_known
 from kvtier.errors import ConfigError
 from kvtier.layout import UNSERVED, GroupKind, KVCacheConfig, SlidingWindowSpec
 from kvtier.layout.geometry import NULL_BLOCK
@@ -170,6 +170,8 @@ class SchedulerHalf:
         if state is not None:
             self._recovery.loading(request.request_id, specs, state)
             state.unfilled = [self._unfilled(g, hit) for g in range(len(self._needs))]
+            state.in_shared = {(spec.tier, key) for spec in specs if self.directory.is_shared(spec.tier)
+                               for key in spec.keys}
             if not self.cfg.policy.promote_on_hit:
                 state.saved_chunks = max(state.saved_chunks, hit.chunks)
 
@@ -304,6 +306,7 @@ class SchedulerHalf:
             return
         nbytes = self.kcc.kv_cache_groups[g].bytes_per_chunk(self.cfg.chunk_size)
         plans = self._prepare(g, [(keys[i], nbytes, keys[i - 1] if i else None) for i, _ in chunks])
+        plans = without_known(plans, self._requests[req_id].in_shared)
         if not plans:
             return
         engine_keys = {k for p in plans if p.source is None for k in p.store}

@@ -104,6 +104,8 @@ class LoadRecovery:
                 self._forget(tier, key)
         if state is not None:
             state.saved_chunks = min(state.saved_chunks, first)
+            redo = {k for keys in state.keys for k in keys[first:]}  # their shared copies may be what failed
+            state.in_shared = {(t, k) for t, k in state.in_shared if k not in redo}
             state.unfilled = [range(u.start, max(u.start, min(u.stop, first))) for u in state.unfilled]
         return len(suspect)
 

@@ -31,6 +31,7 @@ class ReqState:
     unfilled: list[range] = field(default_factory=list)  # per group: chunks a load left unwritten (never saved)
     opaque: bool = False  # prompt embeds: token ids do not identify the KV, so no hits and no saves
     counted: bool = False  # its keys joined the reuse counts (once per request)
+    in_shared: set[tuple[str, Key]] = field(default_factory=set)  # (shared tier, key) its hit found there
 
 
 def tokens_of(source: Any) -> Sequence[int]:

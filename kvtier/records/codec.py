@@ -206,7 +206,16 @@ def verify_payload(view: memoryview, header: RecordHeader, *, hmac_key: bytes | 
     """
     if view.nbytes != header.total_len:
         raise CorruptRecord(f"record is {view.nbytes} bytes, header says {header.total_len}")
-    stored = view[header.prefix_len:]
+    return verify_parts(view[:header.prefix_len], view[header.prefix_len:], header, hmac_key=hmac_key,
+                        payload_digest=payload_digest)
+
+
+def verify_parts(prefix: memoryview, stored: memoryview, header: RecordHeader, *, hmac_key: bytes | None,
+                 payload_digest: int | None = None) -> memoryview:
+    """``verify_payload`` of a record read in two places: its ``prefix`` (header, and MAC when signed) and its
+    ``stored`` payload (a reader that puts payloads straight into evenly spaced slots)."""
+    if prefix.nbytes != header.prefix_len or stored.nbytes != header.payload_len:
+        raise CorruptRecord(f"record is {prefix.nbytes + stored.nbytes} bytes, header says {header.total_len}")
     if payload_digest is None:
         payload_digest = xxhash.xxh3_64_intdigest(stored)
     if payload_digest != header.payload_checksum:
@@ -214,8 +223,8 @@ def verify_payload(view: memoryview, header: RecordHeader, *, hmac_key: bytes | 
     if hmac_key is not None:
         if not header.signed:
             raise CorruptRecord("unsigned record where signing is required")
-        mac = view[HEADER_SIZE:HEADER_SIZE + MAC_BYTES]
-        if not hmac_mod.compare_digest(sign(hmac_key, view, stored), bytes(mac)):
+        mac = prefix[HEADER_SIZE:HEADER_SIZE + MAC_BYTES]
+        if not hmac_mod.compare_digest(sign(hmac_key, prefix, stored), bytes(mac)):
             raise CorruptRecord("record signature mismatch")
     return _decompress(header, stored)
 

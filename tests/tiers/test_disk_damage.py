@@ -17,13 +17,17 @@ from kvtier.records.codec import HEADER_SIZE
 from kvtier.tiers.disk.io import READ_PIECE
 
 
+@pytest.mark.parametrize("equal", [False, True])
 @pytest.mark.parametrize("where", ["first_piece", "middle_piece", "last_byte", "append"])
-async def test_damage_anywhere_in_a_large_record_is_a_miss(tmp_path: Path, where: str) -> None:
-    """Records over READ_PIECE are hashed piece by piece as they are read: a flip in any piece is caught."""
+async def test_damage_anywhere_in_a_large_record_is_a_miss(tmp_path: Path, where: str, equal: bool) -> None:
+    """Records over READ_PIECE are hashed piece by piece as they are read: a flip in any piece is caught, whether
+    the record is read whole into a buffer of its own or (``equal``: a batch of records of one size) its payload
+    into a slot of the batch's buffer."""
     assert READ_PIECE < 3 << 20
     tier = await disk(tmp_path, capacity=1 << 26)
     big = rand((3 << 20) // 4 + 17, seed=5)  # 3 MiB + 68 bytes: several unequal pieces' worth
-    await tier.put([(key(0), big), (key(1), rand((1000,), seed=1))])
+    other = rand(big.shape if equal else (1000,), seed=1)
+    await tier.put([(key(0), big), (key(1), other)])
     path = next(p for p in record_files(tmp_path) if p.name.startswith(key(0).hex()))
     data = bytearray(path.read_bytes())
     if where == "first_piece":
@@ -37,7 +41,7 @@ async def test_damage_anywhere_in_a_large_record_is_a_miss(tmp_path: Path, where
     path.write_bytes(bytes(data))
     got = await tier.get([key(1), key(0)])
     assert got[1] is None and tier.stats().corrupt == 1
-    assert_same(got[0], rand((1000,), seed=1))
+    assert_same(got[0], other)
 
 
 @pytest.mark.parametrize("damage", ["bitflip_payload", "bitflip_header", "truncate", "empty", "swap_key"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -309,3 +310,21 @@ async def test_writing_more_than_capacity_keeps_caching(make: Make) -> None:
         assert_same(got, want)
     assert await tier.put([(k(99), rand((20000,)))]) == [False]  # one record above capacity: still refused
     assert tier.stats().puts_refused == 1
+
+
+async def test_a_batch_of_equal_records_lands_evenly_spaced_in_one_buffer(
+        make: Make, redis_cluster: RedisClusterServers) -> None:
+    """The payloads of a get of records of one size (a group's chunks) go straight into evenly spaced slots of one
+    buffer, whichever cluster node each comes from, so that the copy into the engine's blocks takes a few index
+    operations (kvtier.kvcopy.paged); a record of another size in the batch gets a buffer of its own."""
+    tier = await make(url=redis_cluster.url)
+    shape = (4, 2, 3000)  # 96,000 bytes: slots round up to 98,304
+    items = [(k(i), rand(shape, seed=i)) for i in range(12)] + [(k(12), rand((10,), seed=12))]
+    assert await tier.put(items) == [True] * 13
+    got = await tier.get([key for key, _ in items])
+    for g, (_, t) in zip(got, items, strict=True):
+        assert_same(g, t)
+    equal = [g for g in got[:12] if g is not None]
+    assert len({g.untyped_storage().data_ptr() for g in equal}) == 1
+    assert {b.data_ptr() - a.data_ptr() for a, b in itertools.pairwise(equal)} == {codec.slot_aligned(96_000)}
+    assert got[12] is not None and got[12].untyped_storage().data_ptr() != equal[0].untyped_storage().data_ptr()

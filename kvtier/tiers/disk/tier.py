@@ -29,8 +29,10 @@ Reads of one ``get``: small records (under ``SMALL_RECORD`` on average) first go
 each only if the page cache holds all of it (``RWF_NOWAIT``); the rest, and large records, go in at most
 ``READ_STREAMS`` calls (runs of records of similar size), so that a device has several reads in flight. A read
 goes straight into the returned tensor's memory, recycled from results the caller dropped
-(``kvtier.tiers.memory.recycle``: already touched, never reused while held, payload page-aligned; small records
-of one call share a buffer), and hashes each piece as it arrives instead of in a second pass.
+(``kvtier.tiers.memory.recycle``: already touched, never reused while held, payload page-aligned; the payloads of
+records of one size, a group's chunks, go evenly spaced into one buffer, as memory slots hold them, so that the
+copy into the engine's blocks takes one index operation per layer; other small records of one call share a
+buffer), and hashes each piece as it arrives instead of in a second pass.
 The index is only touched on the event loop thread, so it needs no lock."""
 
 from __future__ import annotations
@@ -47,12 +49,21 @@ import torch
 from kvtier.config import DiskTierConfig, TierConfig
 from kvtier.control.metrics import DiskStats, Timer
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.records.codec import stored_size
+from kvtier.records.codec import record_size, stored_size
 from kvtier.records.keys import DIGEST_BYTES, Key
 from kvtier.tiers.base import Tier, TierEntry
 from kvtier.tiers.disk.files import Staged
 from kvtier.tiers.disk.index import DIR_MODE, PATH_ERRNOS, Layout, scan
-from kvtier.tiers.disk.io import NOWAIT_FLAGS, SMALL_RECORD, Deferred, ReadResult, read_records, read_runs, stage_record
+from kvtier.tiers.disk.io import (
+    NOWAIT_FLAGS,
+    SMALL_RECORD,
+    Deferred,
+    ReadResult,
+    Slot,
+    read_records,
+    read_runs,
+    stage_record,
+)
 from kvtier.tiers.disk.records import Records
 from kvtier.tiers.disk.shared import SharedDirectory, Victim
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
@@ -186,16 +197,18 @@ class DiskTier(Tier):
     async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
         with Timer(self._stats, "get_seconds"):
             sizes = [self._index.get(k, 0) for k in keys]
+            slots = self._slots(sizes)
             results: list[ReadResult | None] = [None] * len(keys)
             todo = list(range(len(keys)))
             if self._nowait and keys and sum(sizes) < SMALL_RECORD * len(keys):
-                todo = await self._read_cached(keys, sizes, results)
+                todo = await self._read_cached(keys, sizes, results, slots)
             if todo:
                 self._stats.reads_waited += len(todo)
                 runs = self._read_runs([sizes[i] for i in todo])
                 done: list[list[ReadResult]] = [[] for _ in runs]
                 await asyncio.gather(*(self._read([keys[todo[j]] for j in run], [sizes[todo[j]] for j in run], False,
-                                                  into) for run, into in zip(runs, done, strict=True)))
+                                                  into, None if slots is None else [slots[todo[j]] for j in run])
+                                       for run, into in zip(runs, done, strict=True)))
                 for run, got in zip(runs, done, strict=True):
                     for j, result in zip(run, got, strict=True):
                         results[todo[j]] = result
@@ -206,8 +219,16 @@ class DiskTier(Tier):
         self._stats.bytes_out += sum(t.numel() * t.element_size() for t in hits)
         return out
 
-    async def _read_cached(self, keys: Sequence[Key], sizes: Sequence[int],
-                           results: list[ReadResult | None]) -> list[int]:
+    def _slots(self, sizes: Sequence[int]) -> list[Slot] | None:
+        """Evenly spaced rooms in one buffer for the payloads of a batch of records of one size (what a group's
+        chunks are): ``io.read_into_slot``; None for a single record or records of several sizes."""
+        lead = record_size(0, self.hmac_key is not None)
+        if len(sizes) < 2 or len(set(sizes)) != 1 or sizes[0] <= lead:
+            return None
+        return self._buffers.take_slots(len(sizes), sizes[0] - lead)
+
+    async def _read_cached(self, keys: Sequence[Key], sizes: Sequence[int], results: list[ReadResult | None],
+                           slots: Sequence[Slot] | None) -> list[int]:
         """The page-cache pass: read every record in one worker-thread call, each only if the page cache holds
         all of it (``RWF_NOWAIT``); fill ``results`` and return the indices left for waiting reads.
 
@@ -216,7 +237,7 @@ class DiskTier(Tier):
         1.9 in two, 1.3 in four); records that must come from the device still get ``READ_STREAMS`` reads in
         flight."""
         first: list[ReadResult] = []
-        await self._read(keys, sizes, True, first)
+        await self._read(keys, sizes, True, first, slots)
         todo: list[int] = []
         for i, result in enumerate(first):
             if isinstance(result, Deferred):
@@ -231,8 +252,10 @@ class DiskTier(Tier):
         self._stats.reads_cached += read
         return todo
 
-    async def _read(self, keys: Sequence[Key], sizes: Sequence[int], nowait: bool, into: list[ReadResult]) -> None:
-        """Read these records in a worker thread, appending the results to ``into``.
+    async def _read(self, keys: Sequence[Key], sizes: Sequence[int], nowait: bool, into: list[ReadResult],
+                    slots: Sequence[Slot] | None = None) -> None:
+        """Read these records in a worker thread (each payload into its slot, if given), appending the results to
+        ``into``.
 
         The results never pass through a future's result: an executor future and its asyncio wrapper (and a
         gather and its tasks) reference each other through done callbacks, so a result they held would keep
@@ -241,10 +264,12 @@ class DiskTier(Tier):
         """
         paths = [self.layout.path(k) for k in keys]
         box: list[ReadResult] = []  # emptied at once: the worker may still hold the call (and this list) a moment
+        rooms = [slots]  # the same for the slots' buffer
         await asyncio.to_thread(lambda: box.extend(read_records(paths, keys, self.hmac_key, self.capacity_bytes,
-                                                                 self._buffers, sizes, nowait)))
+                                                                 self._buffers, sizes, nowait, rooms[0])))
         into.extend(box)
         box.clear()
+        rooms.clear()
 
     _read_runs = staticmethod(read_runs)
 

@@ -40,6 +40,7 @@ HEAD_PROBE = 60  # header bytes that tell a record's length: flags at 6, stored 
 _SCRATCH = codec.HEADER_SIZE + codec.MAC_BYTES
 _COMPRESSED = codec.FLAG_LZ4 | codec.FLAG_ZSTD
 Alloc = Callable[[int], "torch.Tensor"]
+Place = Callable[[int, int], "torch.Tensor"]  # (record index, bytes) -> the uint8 tensor its payload goes into
 
 
 def _empty(nbytes: int) -> torch.Tensor:
@@ -131,12 +132,15 @@ async def set_records(conn: RespConnection, records: Sequence[list[list[Any]]]) 
 
 
 async def get_records(conn: RespConnection, names: Sequence[bytes], keys: Sequence[bytes], *, max_raw: int,
-                      hmac_key: bytes | None, alloc: Alloc = _empty) -> GetResult:
+                      hmac_key: bytes | None, alloc: Alloc = _empty, place: Place | None = None) -> GetResult:
     """Read the records stored under ``names``; each must be the record of the matching entry of ``keys``.
 
-    ``alloc(n)`` gives the uint8 tensor a payload of ``n`` bytes is read into (e.g. ``Recycler.take``).
+    ``alloc(n)`` gives the uint8 tensor a payload of ``n`` bytes is read into (e.g. ``Recycler.take``);
+    ``place(i, n)``, when given, the one for the payload of record ``i`` (e.g. ``Slots.take``: evenly spaced in
+    one buffer, which the copy into the engine's blocks moves in a few index operations).
     """
-    return await RecordReader(conn, names, keys, max_raw=max_raw, hmac_key=hmac_key, alloc=alloc).run()
+    return await RecordReader(conn, names, keys, max_raw=max_raw, hmac_key=hmac_key, alloc=alloc,
+                              place=place).run()
 
 
 @dataclass(slots=True)
@@ -155,9 +159,10 @@ class RecordReader:
     """Reads a batch of records over one connection: pipelined GETs of heads, then of parts (module docstring)."""
 
     def __init__(self, conn: RespConnection, names: Sequence[bytes], keys: Sequence[bytes], *, max_raw: int,
-                 hmac_key: bytes | None, alloc: Alloc) -> None:
+                 hmac_key: bytes | None, alloc: Alloc, place: Place | None = None) -> None:
         self.conn, self.names, self.keys = conn, names, keys
         self.max_raw, self.hmac_key, self.alloc = max_raw, hmac_key, alloc
+        self.place = place if place is not None else lambda _, n: alloc(n)
         self.result = GetResult(values=[None] * len(keys))
         # requests: (record index, part number, offset in the record, length; -1: not known yet)
         self._todo: deque[tuple[int, int, int, int]] = deque((i, 0, 0, -1) for i in range(len(keys)))
@@ -226,7 +231,7 @@ class RecordReader:
         self._hint = size
         if header.signed:
             await self.conn.read_into(self._scratch[codec.HEADER_SIZE:header.prefix_len])
-        value = self._open[i] = self._allocate(header)
+        value = self._open[i] = self._allocate(i, header)
         await self.conn.read_into(value.target[:size - header.prefix_len])
         await self.conn.skip(2)
         rest = [(i, k, off, length) for k, (off, length) in enumerate(layout) if k]
@@ -255,13 +260,13 @@ class RecordReader:
         await self.conn.skip(remaining + 2)
         self.result.corrupt.append(i)
 
-    def _allocate(self, header: codec.RecordHeader) -> _Value:
+    def _allocate(self, i: int, header: codec.RecordHeader) -> _Value:
         prefix = bytes(self._scratch[:header.prefix_len])
         if header.flags & _COMPRESSED:
             record = bytearray(header.total_len)
             record[:header.prefix_len] = prefix
             return _Value(header, prefix, memoryview(record)[header.prefix_len:], None, record)
-        payload = self.alloc(header.payload_len)
+        payload = self.place(i, header.payload_len)
         return _Value(header, prefix, memoryview(payload.numpy()), payload, None)  # type: ignore[arg-type]
 
     def _finish(self, i: int) -> None:

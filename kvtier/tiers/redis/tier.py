@@ -50,7 +50,7 @@ from kvtier.layout import dtype_name
 from kvtier.records import codec
 from kvtier.records.keys import Key
 from kvtier.tiers.base import Tier
-from kvtier.tiers.memory.recycle import Recycler
+from kvtier.tiers.memory.recycle import Recycler, Slots
 from kvtier.tiers.redis import plain as redis_plain
 from kvtier.tiers.redis.breaker import CircuitBreaker
 from kvtier.tiers.redis.bulk import GetResult, get_records, record_commands, set_records
@@ -289,7 +289,8 @@ class RedisTier(Tier):
                 return await redis_plain.get_records(self._client, names, keys, max_raw=self._max_raw,
                                                      hmac_key=self._hmac_key)
         shards = await self._shards(names)
-        outs = await asyncio.gather(*(self._get_shard(addr, idx, names, keys) for addr, idx in shards),
+        slots = Slots(self.buffers, len(keys))  # the payloads evenly spaced in one buffer, across shards
+        outs = await asyncio.gather(*(self._get_shard(addr, idx, names, keys, slots) for addr, idx in shards),
                                     return_exceptions=True)
         result = GetResult(values=[None] * len(keys))
         for idx, out in self._succeeded(shards, outs):
@@ -299,10 +300,12 @@ class RedisTier(Tier):
             result.errors += out.errors
         return result
 
-    async def _get_shard(self, addr: Addr, idx: list[int], names: list[bytes], keys: Sequence[Key]) -> GetResult:
+    async def _get_shard(self, addr: Addr, idx: list[int], names: list[bytes], keys: Sequence[Key],
+                         slots: Slots) -> GetResult:
         async with self._pool(addr).connection() as conn:
             return await get_records(conn, [names[i] for i in idx], [keys[i] for i in idx],
-                                     max_raw=self._max_raw, hmac_key=self._hmac_key, alloc=self.buffers.take)
+                                     max_raw=self._max_raw, hmac_key=self._hmac_key, alloc=self.buffers.take,
+                                     place=lambda j, n: slots.take(idx[j], n))
 
     async def _put(self, items: list[tuple[bytes, list[Any]]]) -> list[bool]:
         if not self._fast:

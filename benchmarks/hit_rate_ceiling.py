@@ -39,9 +39,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvtier.bench.hitrate import DEFAULT_TRACE  # noqa: E402
 from kvtier.bench.measure import machine_info, write_json  # noqa: E402
 
-TRACE = ROOT / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = DEFAULT_TRACE
 RESULTS = ROOT / "benchmarks" / "results" / "hit_rate_ceiling.json"
 BLOCK = 512
 SCALES = (20_000, 40_000, 80_000, 160_000)

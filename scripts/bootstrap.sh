@@ -68,6 +68,7 @@ if [ "$WITH_E2E" = 1 ]; then
   fi
   # kvtier from its wheel, as a user installs it (not editable: scripts/test.sh installs the wheel of the tree under
   # test again before the end-to-end tests)
+  $E2E install -q 'setuptools>=68' wheel  # scripts/test.sh builds the wheel with these, offline
   $E2E install -q -c .venv/torch-pin.txt '.[dev]'
   echo "bootstrap e2e: $(.venv-e2e/bin/python -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)')"
 fi

@@ -78,9 +78,10 @@ echo "== pytest"
 if [ "$E2E" = 1 ]; then
   # kvtier as a user installs it: the wheel built from this tree (a file the package leaves out fails these tests),
   # and PYTHONSAFEPATH so that no process of theirs imports the source tree from the working directory instead
+  # (from a clean build: setuptools never removes from build/ a module deleted from the tree)
   echo "== kvtier's wheel into .venv-e2e"
-  rm -rf .venv-e2e/dist
-  .venv-e2e/bin/python -m pip wheel -q --no-deps -w .venv-e2e/dist .
+  rm -rf .venv-e2e/dist build kvtier.egg-info
+  .venv-e2e/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .venv-e2e/dist .
   .venv-e2e/bin/python -m pip install -q --no-deps --force-reinstall .venv-e2e/dist/kvtier-*.whl
   echo "== pytest tests/e2e (vLLM's CPU engine, one process per engine)"
   (unset VLLM_TARGET_DEVICE; KVTIER_E2E=1 PYTHONSAFEPATH=1 exec .venv-e2e/bin/python -m pytest tests/e2e \

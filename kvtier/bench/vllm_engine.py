@@ -298,7 +298,7 @@ def _plot(table: dict[str, Any]) -> Any:
             import matplotlib.pyplot as plt
         except ImportError:
             return None
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, (ax, phases) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 2]})
         lengths = list(table)
         modes = [m for m in ALL_MODES if any(m in table[n] and "ttft_s" in table[n][m] for n in lengths)]
         width = 0.8 / max(1, len(modes))
@@ -308,14 +308,40 @@ def _plot(table: dict[str, Any]) -> Any:
         ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(lengths))])
         ax.set_xticklabels([f"{n} tokens" for n in lengths])
         ax.set_ylabel("TTFT, median (ms)")
-        ax.set_title("vLLM CPU engine: time to first token of a request whose prefix was seen before")
+        ax.set_title("Time to first token of a request whose prefix was seen before", fontsize=10)
         ax.legend(fontsize=8)
+        _plot_phases(phases, table[lengths[-1]], lengths[-1])
+        fig.suptitle("vLLM CPU engine", fontsize=11)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
 
     return plot
+
+
+def _plot_phases(ax: Any, rows: dict[str, Any], length: str) -> None:
+    """One stacked bar of a hit's phases per mode (``_phase_row``), with the medium's own time for the same bytes
+    (its read and a plain copy) marked on each kvtier bar."""
+    modes = [m for m in ALL_MODES if m != "none" and "phases_ms" in rows.get(m, {})]
+    marked = False
+    for j, mode in enumerate(modes):
+        bottom = 0.0
+        for k, phase in enumerate(PHASES):
+            value = rows[mode]["phases_ms"][phase]
+            ax.bar(j, value, 0.6, bottom=bottom, color=f"C{k}", label=phase if j == 0 else None)
+            bottom += value
+        limit = rows[mode].get("medium_alone", {}).get("limit_ms")
+        base = rows.get("vllm_prefix", {}).get("ttft_s", {}).get("median")
+        if limit and base:
+            ax.plot([j - 0.35, j + 0.35], [base * 1e3 + limit] * 2, "k--", lw=1,
+                    label=None if marked else "vLLM's prefix cache + the medium alone")
+            marked = True
+    ax.set_xticks(range(len(modes)))
+    ax.set_xticklabels([m.replace("kvtier_", "") for m in modes], fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_title(f"Where a {length}-token hit's time goes", fontsize=10)
+    ax.legend(fontsize=7)
 
 
 def run(args: argparse.Namespace) -> int:

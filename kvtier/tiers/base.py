@@ -53,6 +53,8 @@ class Tier(ABC):
     is_memory: bool = False
     #: Local tiers are fully known to the directory; shared ones (redis) can change behind our back.
     is_shared: bool = False
+    #: Records expire unless written again (a Redis tier with a ``ttl``): a hit does not spare their rewrite.
+    expiring: bool = False
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         self.name = name

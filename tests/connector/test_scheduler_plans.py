@@ -168,3 +168,19 @@ def test_a_chunk_found_in_a_shared_tier_is_not_written_there_again_unless_its_lo
                                                                    num_scheduled_tokens={name: 3 * C}))
                 stored = [k for s in meta.saves for p in s.plans if p.tier == "redis" for k in p.store]
                 assert stored == [keys[1], keys[2], keys[3]]
+
+
+def test_a_hit_from_an_expiring_shared_tier_is_written_back_to_keep_it_alive(harness: Build) -> None:
+    """A Redis tier with a ``ttl`` forgets a record that is not written again: its hits are saved back (the
+    rewrite renews the expiry), as every chunk of the request."""
+    with RedisServer() as server:
+        cfg = KvtierConfig(chunk_size=C, tiers=(RedisTierConfig("redis", 1 << 22, url=server.url, ttl=60.0),),
+                           policy=PolicyConfig(eviction="lru"))
+        h = harness(KVCacheConfig((FULL,)), cfg=cfg)
+        h.place(TOKENS, 0, [0, 1], tier="redis")
+        keys = h.keys(TOKENS)[0]
+        req = Request("r", TOKENS)
+        assert h.conn.get_num_new_matched_tokens(req, 0) == (2 * C, True)
+        h.conn.update_state_after_alloc(req, KVCacheBlocks((list(range(1, 10)),)), 2 * C)
+        meta = schedule_new(h.conn, req, (list(range(1, 10)),), 2 * C, 2 * C)
+        assert [(p.tier, p.store) for s in meta.saves for p in s.plans] == [("redis", tuple(keys[:4]))]

@@ -27,7 +27,7 @@ def test_kvtier_is_imported_from_its_installed_wheel_not_from_the_source_tree() 
 def test_the_wheel_holds_every_module_and_the_benchmarks_trace() -> None:
     modules = {p.relative_to(SOURCE) for p in SOURCE.rglob("*.py")}
     shipped = {p.relative_to(INSTALLED) for p in INSTALLED.rglob("*.py")}
-    assert modules - shipped == set()
+    assert modules - shipped == set() and shipped - modules == set()  # nothing left out, nothing stale
     assert DEFAULT_TRACE.resolve().is_relative_to(INSTALLED) and DEFAULT_TRACE.stat().st_size > 1 << 20
 
 

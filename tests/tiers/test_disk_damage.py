@@ -13,8 +13,11 @@ import pytest
 from contract import assert_same, key, rand
 from disk_helpers import disk, record_files
 
-from kvtier.records.codec import HEADER_SIZE
-from kvtier.tiers.disk.io import READ_PIECE
+from kvtier.errors import CorruptRecord
+from kvtier.records import codec
+from kvtier.records.codec import HEADER_SIZE, MAC_BYTES
+from kvtier.tiers.disk.io import READ_PIECE, read_into_slot
+from kvtier.tiers.memory.recycle import Recycler
 
 
 @pytest.mark.parametrize("equal", [False, True])
@@ -122,3 +125,21 @@ async def test_a_corrupt_reads_buffer_is_recycled_without_a_gc_pass(tmp_path: Pa
         assert tier._buffers.idle_bytes > 0  # back on the free list at once
     finally:
         gc.enable()
+
+
+def test_a_forged_unsigned_record_never_writes_past_its_slot(tmp_path: Path) -> None:
+    """With signing on, an unsigned record forged at a signed record's file size has a payload one MAC longer than
+    the slot a batch read gives it: it is read into a buffer of its own and refused, and the next slot, which may
+    already hold a payload verified and handed out, keeps its bytes."""
+    payload = 8192  # a whole number of slot pages: the slots lie exactly one payload apart
+    forged = codec.encode_bytes(key(1), rand(((payload + MAC_BYTES) // 4,), seed=9).numpy(), "float32",
+                                ((payload + MAC_BYTES) // 4,))
+    assert len(forged) == HEADER_SIZE + MAC_BYTES + payload  # the size of the signed record the index expects
+    path = tmp_path / "forged.kvt"
+    path.write_bytes(forged)
+    slots = Recycler(1 << 20).take_slots(2, payload)
+    memory, after, _ = slots[1]
+    memory[after:after + payload] = 7  # the next record, already read
+    with pytest.raises(CorruptRecord, match="unsigned"):
+        read_into_slot(str(path), key(1), b"k1", 1 << 26, slots[0], len(forged))
+    assert bool((memory[after:after + payload] == 7).all())

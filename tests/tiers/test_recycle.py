@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kvtier.tiers.memory.recycle import ALIGN, GROUP_BYTES, GROUP_ITEM_MAX, LINE, PAGE_ALIGNED_FROM, Recycler
+from kvtier.tiers.memory.recycle import ALIGN, GROUP_BYTES, GROUP_ITEM_MAX, LINE, PAGE_ALIGNED_FROM, Recycler, Slots
 
 
 def test_memory_is_reused_only_after_every_view_is_dropped() -> None:
@@ -138,3 +138,17 @@ def test_groups_over_a_mebibyte_round_up_to_whole_mebibytes() -> None:
     assert r.take_many([item] * 3)[0][0].nbytes == 2 << 20  # 1.76 MiB
     assert r.take_many([item] * 5)[0][0].nbytes == 3 << 20  # 2.93 MiB: not the 4 MiB of a power of two
     assert r.take_many([item])[0][0].nbytes == 1 << 20
+
+
+def test_slots_hold_payloads_of_the_first_size_evenly_spaced_within_the_idle_cap() -> None:
+    """``Slots`` (a Redis get): payloads of the first size seen go into evenly spaced slots of one buffer, by
+    record index; another size, or slots that would take more than the recycler keeps idle (a header may claim any
+    size before its payload is checked), get buffers of their own."""
+    recycler = Recycler(1 << 20)
+    slots = Slots(recycler, 4)
+    first, third, odd = slots.take(0, 8192), slots.take(2, 8192), slots.take(1, 100)
+    assert first.untyped_storage().data_ptr() == third.untyped_storage().data_ptr()
+    assert third.data_ptr() - first.data_ptr() == 2 * 8192 and first.numel() == third.numel() == 8192
+    assert odd.numel() == 100 and odd.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    big = Slots(recycler, 4).take(0, 1 << 20)  # 4 MiB of slots over the 1 MiB cap
+    assert big.numel() == 1 << 20 and big.untyped_storage().nbytes() < 2 << 20

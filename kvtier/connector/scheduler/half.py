@@ -170,7 +170,8 @@ class SchedulerHalf:
         if state is not None:
             self._recovery.loading(request.request_id, specs, state)
             state.unfilled = [self._unfilled(g, hit) for g in range(len(self._needs))]
-            state.in_shared = {(spec.tier, key) for spec in specs if self.directory.is_shared(spec.tier)
+            state.in_shared = {(spec.tier, key) for spec in specs  # not written back (expiring ones are)
+                               if self.directory.is_shared(spec.tier) and not self._tiers[spec.tier].expiring
                                for key in spec.keys}
             if not self.cfg.policy.promote_on_hit:
                 state.saved_chunks = max(state.saved_chunks, hit.chunks)

@@ -95,7 +95,7 @@ def _read_at(fd: int, buf: memoryview, offset: int, flags: int) -> int:
 
 
 Place = tuple[np.ndarray, int]  # an array and the byte offset of a record's room in it
-Slot = tuple[torch.Tensor, int]  # a uint8 tensor and the byte offset of a payload's room in it
+Slot = tuple[torch.Tensor, int, int]  # a uint8 tensor, the byte offset of a payload's room in it, its bytes
 
 
 def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
@@ -183,9 +183,11 @@ def read_into_slot(path: str, key: Key, hmac_key: bytes | None, max_size: int, s
     then lie evenly spaced in one storage, as records in consecutive memory slots do, and the copy into the
     engine's blocks takes one index operation per layer instead of one copy per chunk and layer
     (kvtier.kvcopy.paged; in vLLM's CPU engine a 32 MiB hit's copy took 2.7 ms instead of 5.7). A file that is not
-    ``room`` bytes long, or whose payload is compressed or would not fit the slot's memory, is read by
-    ``read_record``. Same errors."""
-    memory, offset = slot
+    ``room`` bytes long, or whose payload is compressed or not exactly the slot's size, is read by ``read_record``:
+    nothing but a payload of the slot's size is ever written into a slot (an unsigned record forged at a signed
+    record's file size has a longer payload, which would overwrite the start of the next slot, maybe a payload
+    already verified and handed out, before its signature check failed). Same errors."""
+    memory, offset, length = slot
     flags = NOWAIT_FLAGS if nowait else 0
     prefix = np.empty(record_size(0, True), dtype=np.uint8).data  # header and MAC: at most this long
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -196,7 +198,7 @@ def read_into_slot(path: str, key: Key, hmac_key: bytes | None, max_size: int, s
             _read_fully(fd, prefix[:HEADER_SIZE], 0, flags)
             header = decode_header(prefix[:HEADER_SIZE], expected_key=key, max_raw=max_size)
         if (header is None or header.total_len != size or header.flags & (FLAG_LZ4 | FLAG_ZSTD)
-                or offset + header.payload_len > memory.numel()):
+                or header.payload_len != length or offset + length > memory.numel()):
             header = None
         else:
             head = prefix[:header.prefix_len]

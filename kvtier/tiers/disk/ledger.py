@@ -6,7 +6,7 @@ descriptor per transaction, so threads of one process exclude each other too):
 
 * ``.kvtier-ledger``, the counts::
 
-    {"kvtier_ledger": 2, "quota": <bytes for the whole directory>,
+    {"kvtier_ledger": 3, "quota": <bytes for the whole directory>,
      "bytes": {"<namespace hex>": <bytes of its record files>, ...},
      "members": {"<member id>": {...}, ...}}
 

@@ -152,12 +152,14 @@ class SharedDirectory:
                     out[i] = rename(state, items[i][0], done, delta)
                 step("placed")
                 self.total = state.total()
-        except OSError as exc:
-            log.warning("disk tier %s: cannot count writes in the ledger of %s: %s", self.name, self.layout.root, exc)
+        except BaseException as exc:  # no staged file outlives a failed transaction; only OSErrors are a miss
             for i, left in enumerate(staged):
                 if isinstance(left, Staged) and not isinstance(out[i], int):
                     discard(left.tmp)
-                    out[i] = exc
+                    out[i] = exc if isinstance(exc, OSError) else None
+            if not isinstance(exc, OSError):
+                raise
+            log.warning("disk tier %s: cannot count writes in the ledger of %s: %s", self.name, self.layout.root, exc)
         if self.fsync:
             sync_dirs(self.name, [s.final for s, got in zip(staged, out, strict=True)
                                   if isinstance(s, Staged) and isinstance(got, int)])

@@ -140,13 +140,15 @@ class Recycler:
         close_group()
         return out
 
-    def take_slots(self, count: int, nbytes: int) -> list[tuple[torch.Tensor, int]]:
+    def take_slots(self, count: int, nbytes: int) -> list[tuple[torch.Tensor, int, int]]:
         """Room for ``count`` payloads of ``nbytes`` each, evenly spaced in one page-aligned ``uint8`` tensor (one
-        storage), as records lie in consecutive memory slots: ``(tensor, offset)`` each, ``slot_aligned(nbytes)``
-        bytes apart. The memory has a size class (``size_class``) and is reused once every view of it is gone."""
+        storage), as records lie in consecutive memory slots: ``(tensor, offset, nbytes)`` each,
+        ``slot_aligned(nbytes)`` bytes apart. A reader writes at most ``nbytes`` into a slot: more would overwrite
+        the next payload. The memory has a size class (``size_class``) and is reused once every view of it is
+        gone."""
         stride = slot_aligned(nbytes)
         memory = torch.from_numpy(self.take_array(size_class(count * stride)))
-        return [(memory, i * stride) for i in range(count)]
+        return [(memory, i * stride, nbytes) for i in range(count)]
 
     def _returned(self, ref: weakref.ref[np.ndarray]) -> None:
         _, backing, address, nbytes = self._out.pop(id(ref))
@@ -167,19 +169,22 @@ class Recycler:
 class Slots:
     """Rooms for the payloads of one batch read whose sizes show only as each record arrives (a Redis get): the
     first payload's size takes ``count`` evenly spaced slots of one buffer (``Recycler.take_slots``), and the
-    payload of record ``i`` of that size goes into slot ``i``; a payload of another size gets a buffer of its own.
-    For one event loop's coroutines (no lock)."""
+    payload of record ``i`` of exactly that size goes into slot ``i``; a payload of another size gets a buffer of
+    its own, and so does every payload where the slots would take more than the recycler keeps idle (a record's
+    header, unchecked until its payload is, could claim any size). For one event loop's coroutines (no lock)."""
 
     def __init__(self, recycler: Recycler, count: int) -> None:
         self._recycler, self._count = recycler, count
         self._size = -1
-        self._slots: list[tuple[torch.Tensor, int]] = []
+        self._slots: list[tuple[torch.Tensor, int, int]] = []
 
     def take(self, i: int, nbytes: int) -> torch.Tensor:
         """A ``uint8`` tensor of ``nbytes`` for record ``i``'s payload."""
         if self._size < 0 and self._count > 1 and nbytes > 0:
-            self._size, self._slots = nbytes, self._recycler.take_slots(self._count, nbytes)
+            self._size = nbytes
+            if self._count * slot_aligned(nbytes) <= self._recycler.max_idle_bytes:
+                self._slots = self._recycler.take_slots(self._count, nbytes)
         if nbytes != self._size or not 0 <= i < len(self._slots):
             return self._recycler.take(nbytes)
-        memory, offset = self._slots[i]
+        memory, offset, _ = self._slots[i]
         return memory[offset:offset + nbytes]

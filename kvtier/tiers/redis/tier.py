@@ -83,6 +83,7 @@ class RedisTier(Tier):
         self._sizes: dict[Key, int] = {}
         self._used = 0
         self._px = int(section.ttl * 1000) if section.ttl else None
+        self.expiring = self._px is not None
         self._max_raw = codec.DEFAULT_MAX_RAW  # not the capacity: a small reader must not reject big records
         self.buffers = Recycler(buffer_pool_bytes)
         self._fast = not self.endpoint.tls  # raw sockets cannot speak TLS; rediss:// uses redis-py only

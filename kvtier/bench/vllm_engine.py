@@ -34,6 +34,7 @@ from typing import Any
 
 from kvtier.bench.args import existing_path, positive_int
 from kvtier.bench.output import add_output_arguments
+from kvtier.bench.vllm_server import same_kvtier
 
 HELP = "TTFT and throughput of vLLM's CPU engine: no cache, vLLM's prefix cache, kvtier from each tier"
 ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "vllm_offloading")
@@ -192,7 +193,7 @@ def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     t = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", "--worker", str(spec_path),
-                               str(out_path)], env=env, capture_output=True, text=True, timeout=1800)
+                               str(out_path)], env=same_kvtier(env), capture_output=True, text=True, timeout=1800)
     except subprocess.TimeoutExpired:
         return {"mode": mode, "unavailable": "engine process ran past 1800 s"}
     if proc.returncode != 0 or not out_path.exists():

@@ -35,6 +35,7 @@ from kvtier.bench.vllm_inproc import (
     scheduler_of,
     worker_connector,
 )
+from kvtier.bench.vllm_server import same_kvtier
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -196,7 +197,7 @@ class Engine:
         self.log_path = workdir / f"{mode}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", module, "--serve", str(spec_path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=same_kvtier(env))
 
     def ready(self) -> None:
         """Wait until the engine has started; remember its process id (``pid``)."""

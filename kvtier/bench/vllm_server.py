@@ -123,11 +123,22 @@ def _wait_ready(server: Server, timeout_s: float) -> None:
     raise RuntimeError(f"the vLLM server did not start in {timeout_s:.0f}s:\n{server.tail()}")
 
 
+def same_kvtier(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a Python process a benchmark starts, so that it imports the kvtier this process imported: never
+    the working directory's (``python -m`` puts it first; ``PYTHONSAFEPATH`` keeps it out), and this one's own
+    tree first when it is not an installed one (a checkout)."""
+    out = {**env, "PYTHONSAFEPATH": "1"}
+    root = Path(__file__).resolve().parents[2]
+    if root.name not in ("site-packages", "dist-packages"):
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    return out
+
+
 @contextmanager
 def running(spec: ServerSpec, log: Path, timeout_s: float = 600) -> Iterator[Server]:
-    """Start the server (with the kvtier installed in this Python, ``CPU_LAYOUT`` unless ``spec.env`` says
-    otherwise), wait for ``/health``, stop it on exit."""
-    env = {**os.environ, **CPU_LAYOUT, **spec.env}
+    """Start the server (with the kvtier this process imported, ``CPU_LAYOUT`` unless ``spec.env`` says otherwise),
+    wait for ``/health``, stop it on exit."""
+    env = same_kvtier({**os.environ, **CPU_LAYOUT, **spec.env})
     env.pop("VLLM_TARGET_DEVICE", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(spec.command(), stdout=out, stderr=subprocess.STDOUT, env=env)

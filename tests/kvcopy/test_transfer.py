@@ -215,6 +215,23 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _assert_pages_landed(dst: list[torch.Tensor], targets: list[list[int]], payload: torch.Tensor,
+                         before: list[torch.Tensor] | None = None) -> None:
+    """Every page of ``payload`` is in its target block of every layer of ``dst``; every other block is as in
+    ``before`` (all zeros without it)."""
+    written = {b for c in targets for b in c} - {NULL_BLOCK}
+    for li, layer in enumerate(dst):
+        for chunk, tids in enumerate(targets):
+            for j, b in enumerate(tids):
+                if b != NULL_BLOCK:
+                    assert _same_bits(layer[b], payload[chunk, li, j])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in written]
+        if before is None:
+            assert all(not layer[b].view(torch.int16).any() for b in untouched)
+        else:
+            assert all(_same_bits(layer[b], before[li][b]) for b in untouched)
+
+
 @pytest.mark.parametrize("ids", [[[4, 5], [6, 7], [8, 9]], [[4, 5], [6, 7], [12, 13]], [[2, 3], [9, 10], [20, 21]]])
 @pytest.mark.parametrize("strided", [False, True])
 def test_pages_in_runs_of_consecutive_blocks_match_block_by_block_copies(ids: list[list[int]], strided: bool) -> None:
@@ -230,13 +247,7 @@ def test_pages_in_runs_of_consecutive_blocks_match_block_by_block_copies(ids: li
     targets[1][0] = NULL_BLOCK
     targets[2] = [NULL_BLOCK, 1]  # a null entry followed by block 1 (the first block an engine hands out)
     scatter(dst, targets, KVLayout.PAGES, payload)
-    for li in range(3):
-        for chunk, tids in enumerate(targets):
-            for j, b in enumerate(tids):
-                if b != NULL_BLOCK:
-                    assert _same_bits(dst[li][b], payload[chunk, li, j])
-        written = {b for c in targets for b in c} - {NULL_BLOCK}
-        assert all(not dst[li][b].view(torch.int16).any() for b in range(NUM_BLOCKS) if b not in written)
+    _assert_pages_landed(dst, targets, payload)
 
 
 def test_page_scatter_after_null_entries_writes_the_real_blocks() -> None:
@@ -279,13 +290,7 @@ def test_page_scatter_from_spaced_slots_writes_each_page_in_any_block_order(dtyp
     dst = [torch.zeros_like(t) for t in src]
     targets = [[17, 16], [15, 14], [NULL_BLOCK, 12], [8, 1]]
     scatter(dst, targets, KVLayout.PAGES, views)
-    for li in range(3):
-        for chunk, tids in enumerate(targets):
-            for j, b in enumerate(tids):
-                if b != NULL_BLOCK:
-                    assert _same_bits(dst[li][b], payload[chunk, li, j])
-        written = {b for c in targets for b in c} - {NULL_BLOCK}
-        assert all(not dst[li][b].view(torch.int16).any() for b in range(NUM_BLOCKS) if b not in written)
+    _assert_pages_landed(dst, targets, payload)
 
 
 @pytest.mark.parametrize("targets", [
@@ -313,14 +318,9 @@ def test_page_scatter_into_evenly_spaced_blocks_writes_each_page_and_nothing_els
     rows = [t.flatten(1) for t in [t.clone() for t in dst]]
     assert paged._select_into(rows, targets, views[0], slot)  # the path these inputs take
     scatter(dst, targets, KVLayout.PAGES, views)
-    written = {b for c in targets for b in c} - {NULL_BLOCK}
     for li in range(3):
         assert torch.equal(rows[li].view(torch.uint8), dst[li].flatten(1).view(torch.uint8))
-        for chunk, tids in enumerate(targets):
-            for j, b in enumerate(tids):
-                if b != NULL_BLOCK:
-                    assert _same_bits(dst[li][b], payload[chunk, li, j])
-        assert all(_same_bits(dst[li][b], before[li][b]) for b in range(NUM_BLOCKS) if b not in written)
+    _assert_pages_landed(dst, targets, payload, before)
 
 
 def test_page_scatter_to_a_block_past_the_layer_raises_and_writes_no_other_block() -> None:

@@ -119,16 +119,9 @@ def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
         view = array.data[start:start + size] if start or array.nbytes != size else array.data
         flags = NOWAIT_FLAGS if nowait else 0
         if size <= READ_PIECE:  # the common case: one read, one hash
-            got = _read_at(fd, view, 0, flags)
-            while got < size:
-                if flags:
-                    raise Deferred()
-                n = _read_at(fd, view[got:], got, 0)
-                if not n:
-                    raise CorruptRecord(f"file ended after {got} of {size} bytes")
-                got += n
+            _read_fully(fd, view, 0, flags)
             header = decode_header(view, expected_key=key, max_raw=max_size)
-            digest: int | None = xxhash.xxh3_64_intdigest(view[header.prefix_len:])
+            digest = xxhash.xxh3_64_intdigest(view[header.prefix_len:])
         else:
             header, digest = _read_pieces(fd, view, key, max_size, flags)
     finally:
@@ -149,30 +142,14 @@ def read_record(path: str, key: Key, hmac_key: bytes | None, max_size: int,
     return torch.frombuffer(array, dtype=dtype, offset=start + header.prefix_len, count=count).view(header.shape), size
 
 
-def _read_pieces(fd: int, view: memoryview, key: Key, max_size: int, flags: int) -> tuple[RecordHeader, int | None]:
-    """Read a record larger than ``READ_PIECE`` into ``view`` in equal pieces, hashing each as it arrives;
-    return its header and payload digest (None when a short read left the hashing behind: verify hashes)."""
-    size = view.nbytes
-    header: RecordHeader | None = None
-    hasher = xxhash.xxh3_64()
-    piece = -(-size // -(-size // READ_PIECE))  # equal pieces, at most READ_PIECE
-    got = hashed = 0  # bytes read; bytes hashed up to (from the payload start on)
-    while got < size:
-        want = view[got:got + piece]
-        n = _read_at(fd, want, got, flags)
-        if n < want.nbytes and flags:
-            raise Deferred()
-        if not n:
-            raise CorruptRecord(f"file ended after {got} of {size} bytes")
-        got += n
-        if header is None and got >= HEADER_SIZE:  # the header tells where the payload starts
-            header = decode_header(view, expected_key=key, max_raw=max_size)
-            hashed = header.prefix_len
-        if header is not None and got > hashed:
-            hasher.update(view[hashed:got])
-            hashed = got
-    assert header is not None  # size >= HEADER_SIZE
-    return header, hasher.intdigest() if hashed == size else None
+def _read_pieces(fd: int, view: memoryview, key: Key, max_size: int, flags: int) -> tuple[RecordHeader, int]:
+    """Read a record larger than ``READ_PIECE`` into ``view``: its header first (it tells where the payload
+    starts), then the payload in equal pieces, each hashed as it arrives; its header and payload digest."""
+    _read_fully(fd, view[:HEADER_SIZE], 0, flags)
+    header = decode_header(view, expected_key=key, max_raw=max_size)
+    prefix = min(header.prefix_len, view.nbytes)
+    _read_fully(fd, view[HEADER_SIZE:prefix], HEADER_SIZE, flags)
+    return header, _read_hashed(fd, view[prefix:], prefix, flags)
 
 
 def read_into_slot(path: str, key: Key, hmac_key: bytes | None, max_size: int, slot: Slot, room: int,

@@ -4,7 +4,8 @@
 Every prompt is new (random tokens), so nothing can hit anywhere, yet kvtier saves every full chunk. Each mode is
 one engine process (``kvtier.bench.vllm_proc``) running the same model (default: a random-weight Llama, 8 layers
 of width 512, float32, vLLM's prefix cache on as deployed): ``none`` (no connector) and kvtier with one tier,
-``kvtier_cpu``, ``kvtier_disk`` or ``kvtier_redis`` (a private ``redis-server`` on a loopback port), chunks of
+``kvtier_cpu``, ``kvtier_disk`` or ``kvtier_redis`` (a private ``redis-server`` on a loopback port), or cpu with
+disk below it (``kvtier_cpu_disk``: what cpu holds is also copied to disk, ``policy.persist_max_lag``), chunks of
 ``--chunk`` tokens, write-back; ``--policy`` adds kvtier policy settings (e.g. ``store_threshold=2``).
 
 Rounds: each round makes two sets of ``--burst`` new prompts, and every engine, in a shuffled order, runs both
@@ -39,7 +40,7 @@ from kvtier.bench.output import add_output_arguments
 from kvtier.bench.vllm_proc import ENV, Engine, serve
 
 HELP = "cost of an active kvtier on requests that never hit, in vLLM's CPU engine (ratios to no connector)"
-MODES = ("none", "kvtier_cpu", "kvtier_disk", "kvtier_redis")
+MODES = ("none", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "kvtier_cpu_disk")
 METRICS = ("ttft_s", "decode_s_per_token", "step_s", "hook_ms", "kvtier_thread_ms")
 
 
@@ -67,9 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def kvtier_yaml(path: Path, mode: str, chunk: int, workdir: Path, redis_url: str | None,
                 policy: Sequence[str] = ()) -> str:
-    """A one-tier kvtier config file for ``mode``; ``policy``: extra ``key=value`` policy settings."""
-    tier = {"kvtier_cpu": "{name: cpu, kind: cpu, capacity: 1GiB}",
-            "kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / ('kv-' + mode)}}}",
+    """The kvtier config file for ``mode``; ``policy``: extra ``key=value`` policy settings."""
+    cpu = "{name: cpu, kind: cpu, capacity: 1GiB}"
+    disk = f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / ('kv-' + mode)}}}"
+    tier = {"kvtier_cpu": cpu, "kvtier_disk": disk, "kvtier_cpu_disk": f"{cpu}, {disk}",
             "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
     settings = ", ".join(["write: write_back", *(p.replace("=", ": ", 1) for p in policy)])
     path.write_text(f"chunk_size: {chunk}\ntiers: [{tier}]\npolicy: {{{settings}}}\n")

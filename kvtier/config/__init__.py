@@ -112,8 +112,9 @@ TIER_CLASSES: dict[TierKind, type[TierConfig]] = {
 COMPRESSIONS = ("none", "lz4", "zstd")
 SIZE_FIELDS = frozenset({"capacity", "slot_bytes", "save_backlog"})
 DURATION_FIELDS = frozenset({"ttl", "timeout", "connect_timeout", "breaker_backoff", "persist_after_idle",
-                             "persist_at_close"})
-ZERO_OK = frozenset({"breaker_backoff", "shard_depth", "persist_after_idle", "persist_at_close"})
+                             "persist_max_lag", "persist_at_close"})
+ZERO_OK = frozenset({"breaker_backoff", "shard_depth", "persist_after_idle", "persist_max_lag",
+                     "persist_at_close"})
 PATH_FIELDS = frozenset({"path", "tls_ca", "tls_cert", "tls_key"})
 REDIS_MS_ALIASES = {"timeout_ms": "timeout", "connect_timeout_ms": "connect_timeout"}
 

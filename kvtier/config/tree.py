@@ -124,6 +124,9 @@ class PolicyConfig:
     # write-back chunks only a memory tier holds are copied to the disk tier below it once the engine has computed
     # nothing for this long (seconds; 0: never while it runs), so that a crash loses only recent ones
     persist_after_idle: float = 1.0
+    # while the engine is busy, such a chunk reaches disk within about this long of its save (seconds; 0: only
+    # while idle and at close): the copies run paced, hot ones first, so a crash or kill loses only the last ones
+    persist_max_lag: float = 2.0
     # at a graceful stop (connector shutdown, TieredStore.close), the most time spent copying what is still only
     # in memory to disk (seconds; 0: none)
     persist_at_close: float = 4.0

@@ -15,9 +15,11 @@ directory.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier.config import KvtierConfig, TierKind, load_config
@@ -44,7 +46,7 @@ from kvtier.layout import KVCacheConfig, from_vllm
 from kvtier.store.assembly import Role, applied, build_tiers, close_tiers, directory_for, start_tiers
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Tier
-from kvtier.tiers.runtime import LoopThread
+from kvtier.tiers.runtime import LOOP_CLOSE_S, SAVES_AT_STOP_S, TIER_CLOSE_S, LoopThread
 
 if TYPE_CHECKING:
     from kvtier.connector.worker.half import WorkerHalf
@@ -191,7 +193,7 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         blocker = weights_blocker(ident.fingerprint)
         if blocker is not None:  # this rank cannot key its shards: it serves and stores nothing
             worker.disable(blocker)
-        self._persister = persister_for(cfg, self._store, self._loop, ident, lambda: worker.kcc)
+        self._persister = persister_for(cfg, self._store, self._loop, ident, lambda: worker.kcc, worker.landed)
         return worker
 
     def _worker_tp_rank(self) -> int | None:
@@ -297,12 +299,17 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
 
     # ---- shutdown --------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Flush pending saves, persist what only memory holds (within ``policy.persist_at_close``), close what this
-        connector owns; visit everything, re-raise once."""
+        """Flush pending saves, persist what only memory holds, close what this connector owns; visit everything,
+        re-raise once. Bounded whatever a medium does (``STOP_MARGIN_S``): the pending saves may take
+        ``SAVES_AT_STOP_S`` and what persisting leaves of ``policy.persist_at_close`` (their demotions are the only
+        copy of chunks already evicted from memory), persisting the rest of it, the tiers' closes ``TIER_CLOSE_S``,
+        the I/O loop ``LOOP_CLOSE_S``."""
         errors: list[BaseException] = []
-        budget, persister = self.kvtier_config.policy.persist_at_close, self._persister
-        for name, step in (("worker", self._worker.close if self._worker else None),
-                           ("persisting", (lambda: persister.close(budget)) if persister is not None else None),
+        budget, persister, worker = self.kvtier_config.policy.persist_at_close, self._persister, self._worker
+        until = time.monotonic() + SAVES_AT_STOP_S + (budget if persister is not None else 0.0)
+        for name, step in (("worker", (lambda: worker.close(until - time.monotonic())) if worker else None),
+                           ("persisting", (lambda: persister.close(max(min(budget, until - time.monotonic()), 0.0)))
+                            if persister is not None else None),
                            ("scheduler", self._scheduler.close if self._scheduler else None)):
             if step is None:
                 continue
@@ -315,15 +322,22 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
         if errors:
             raise errors[0]
 
-    def _close_owned(self) -> Sequence[BaseException]:
-        errors: list[BaseException] = []
+    def _close_owned(self) -> list[BaseException]:
+        """Close the tiers this connector opened and its own store, all at once (``TIER_CLOSE_S``), then its I/O
+        loop; the errors."""
         tiers, store = self._sched_tiers, self._store if self._owns_store else None
-        closers = [lambda: close_tiers(tiers)] + ([store.close] if store is not None else [])
-        for close in closers:  # each coroutine made only when it runs: none is left un-awaited
-            try:
-                self._loop.run(close())
-            except Exception as exc:
-                errors.append(exc)
+
+        async def close_all() -> list[BaseException | None]:
+            closes = [close_tiers(tiers), *([store.close()] if store is not None else [])]
+            return await asyncio.gather(*closes, return_exceptions=True)
+
+        errors: list[BaseException] = []
+        try:  # bounded inside; the bound here only guards against a blocked I/O loop
+            errors = [r for r in self._loop.run(close_all(), timeout=TIER_CLOSE_S + LOOP_CLOSE_S) if r is not None]
+        except TimeoutError:
+            logger.warning("closing kvtier's tiers did not end within %.1fs: given up", TIER_CLOSE_S + LOOP_CLOSE_S)
+        except Exception as exc:  # the loop is closed already
+            errors.append(exc)
         self._sched_tiers = []
         if self._owns_store:
             self._store = None

@@ -25,8 +25,9 @@ from kvtier.records.keys import Key
 
 
 def enabled(policy: PolicyConfig) -> bool:
-    """Whether a connector persists memory chunks (write-back, and while idle or at close)."""
-    return policy.write is WritePolicy.WRITE_BACK and (policy.persist_after_idle > 0 or policy.persist_at_close > 0)
+    """Whether a connector persists memory chunks (write-back, and while idle, within a lag, or at close)."""
+    return policy.write is WritePolicy.WRITE_BACK and (
+        policy.persist_after_idle > 0 or policy.persist_max_lag > 0 or policy.persist_at_close > 0)
 
 
 def copy_target(chain: Sequence[str], tier: str, persistent: Callable[[str], bool]) -> tuple[str, list[str]] | None:

@@ -18,6 +18,7 @@ Roles:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import logging
@@ -30,6 +31,7 @@ from kvtier.control.policy import make_policy
 from kvtier.errors import ConfigError
 from kvtier.layout import UNSERVED, KVCacheConfig
 from kvtier.tiers import Tier, make_tier
+from kvtier.tiers.runtime import TIER_CLOSE_S
 
 logger = logging.getLogger(__name__)
 
@@ -125,14 +127,21 @@ async def _start(tier: Tier, tolerate: bool) -> bool:
     return True
 
 
-async def close_tiers(tiers: Sequence[Tier]) -> None:
-    """Close every tier; log each failure and re-raise the last one once all were visited."""
+async def close_tiers(tiers: Sequence[Tier], timeout_s: float = TIER_CLOSE_S) -> None:
+    """Close every tier, all at once, for at most ``timeout_s`` in all (a close still running then is given up and
+    logged: a stop is bounded whatever a medium does); log each failure and re-raise the last one once all ended."""
+    tiers = list(tiers)
+    if not tiers:
+        return
+    closes = [asyncio.ensure_future(tier.close()) for tier in tiers]
+    _, late = await asyncio.wait(closes, timeout=timeout_s)
     errors: list[BaseException] = []
-    for tier in tiers:
-        try:
-            await tier.close()
-        except Exception as exc:
-            logger.exception("closing tier %s failed", tier.name)
+    for tier, close in zip(tiers, closes, strict=True):
+        if close in late:
+            close.cancel()
+            logger.warning("closing tier %s took over %.1fs: given up", tier.name, timeout_s)
+        elif not close.cancelled() and (exc := close.exception()) is not None:
+            logger.error("closing tier %s failed", tier.name, exc_info=exc)
             errors.append(exc)
     if errors:
         raise errors[-1]

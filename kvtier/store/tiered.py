@@ -174,12 +174,16 @@ class TieredStore:
         await start_tiers([self._tiers[n] for n in self._order], self._role, self._directory)
 
     async def close(self) -> None:
-        """Persist what only memory tiers hold (with the directory, under write-back: ``persist``, once), then close
-        every tier (started or not: a tier's close is safe either way); re-raise once."""
+        """Persist what only memory tiers hold (with the directory, under write-back: ``persist``, once, for at most
+        ``persist_at_close``), then close every tier (started or not: a tier's close is safe either way; all within
+        ``TIER_CLOSE_S``); re-raise once."""
         budget, self.persist_at_close = self.persist_at_close, 0.0
         if budget > 0 and self._directory is not None and self.write_policy is WritePolicy.WRITE_BACK:
-            try:
-                await self.persist(budget)
+            try:  # a round still running at the budget's end is cancelled: a hung disk never holds the stop
+                await asyncio.wait_for(self.persist(budget), budget)
+            except TimeoutError:
+                logger.warning("persisting the memory tiers at close: a copy still running after the %.1fs budget "
+                               "was given up", budget)
             except Exception:  # a failing disk must not keep the other tiers open
                 logger.exception("persisting the memory tiers at close failed")
         await close_tiers([self._tiers[n] for n in self._order])
@@ -358,8 +362,9 @@ class TieredStore:
         Every plan runs: one that raises (a failing medium, a failed ``source`` move) is logged and completed
         as failed, so its keys never stay PENDING, and the next plans still run; cancelled, it completes this and
         every later plan as failed (and adds them to ``failed``) before the cancellation propagates.
-        ``skip_writes``: only the plans' evictions run (the directory has already counted their room as free);
-        every write and move is completed as not stored (a save the worker chose to drop)."""
+        ``skip_writes``: the plans' writes of ``payloads`` are completed as not stored (a save the worker chose to
+        drop); their evictions still run (the directory has already counted their room as free), and so do the
+        moves (another chunk's demotion: leaving it out would drop that chunk from the tier it leaves)."""
         self._executing += 1
         self._quiet.clear()
         try:
@@ -378,7 +383,8 @@ class TieredStore:
         stored: dict[str, int] = {}
         for i, plan in enumerate(plans):
             try:
-                ok = await (self._evict_only(plan) if skip_writes else self._run_plan(plan, payloads))
+                writes = skip_writes and plan.source is None
+                ok = await (self._evict_only(plan) if writes else self._run_plan(plan, payloads))
             except Exception:
                 logger.exception("store plan for tier %s failed (%d keys)", plan.tier, len(plan.store))
                 ok = [False] * len(plan.store)

@@ -18,6 +18,13 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
+# A stop is bounded whatever a medium does (docs/guarantees.md: persist_at_close + STOP_MARGIN_S):
+CLOSE_WAIT_S = 0.5  # a closing tier waits at most this long for its writes in flight, and as long for its bookkeeping
+TIER_CLOSE_S = 2 * CLOSE_WAIT_S + 0.5  # the most a stop waits for its tiers' closes (run at once); past it, given up
+LOOP_CLOSE_S = 0.5  # the most a stop waits for the I/O loop's thread to end
+SAVES_AT_STOP_S = 1.0  # the most a worker's stop waits for its pending saves; past it, they are dropped
+STOP_MARGIN_S = SAVES_AT_STOP_S + TIER_CLOSE_S + LOOP_CLOSE_S  # a stop's bound past policy.persist_at_close
+
 
 class LoopThread:
     """Owns one event loop running in a daemon thread."""
@@ -54,7 +61,7 @@ class LoopThread:
         if self._loop.is_closed():
             return
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=LOOP_CLOSE_S)
         if not self._thread.is_alive():
             self._loop.close()
 

@@ -50,10 +50,11 @@ def test_saves_into_cpu_get_a_copy_into_disk_settled_once_every_rank_reported(tm
     assert not directory.holds("disk", c)  # no rank wrote it: forgotten (b: rank 1 did, READY)
 
 
-def test_no_planner_without_write_back_or_with_both_bounds_off(tmp_path: Path) -> None:
+def test_no_planner_without_write_back_or_with_every_bound_off(tmp_path: Path) -> None:
     assert setup(tmp_path, write=WritePolicy.WRITE_THROUGH)[1] is None
-    assert setup(tmp_path, persist_after_idle=0.0, persist_at_close=0.0)[1] is None
-    assert setup(tmp_path, persist_after_idle=0.0)[1] is not None  # at close only
+    assert setup(tmp_path, persist_after_idle=0.0, persist_max_lag=0.0, persist_at_close=0.0)[1] is None
+    assert setup(tmp_path, persist_after_idle=0.0, persist_max_lag=0.0)[1] is not None  # at close only
+    assert setup(tmp_path, persist_after_idle=0.0, persist_at_close=0.0)[1] is not None  # under load only
 
 
 def test_evicting_a_chunk_whose_copy_waits_moves_it_first_and_its_save_settles_it(tmp_path: Path) -> None:

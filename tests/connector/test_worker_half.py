@@ -39,13 +39,18 @@ from worker_kit import (
 
 import kvtier.connector.worker.half as worker_module
 import kvtier.connector.worker.loads as loads_module
-from kvtier.config import CpuTierConfig
+from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.worker.half import WorkerHalf
 from kvtier.control.directory import StorePlan
 from kvtier.engine.types import KVCacheBlocks, Request
 from kvtier.kvcopy.transfer import KVLayout, gather
 from kvtier.records.keys import Key
+from kvtier.store.assembly import Role
+from kvtier.store.tiered import TieredStore
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.memory.cpu import CpuTier
+from kvtier.tiers.runtime import LoopThread
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "delete"])
@@ -253,4 +258,41 @@ def test_a_chunk_counts_as_loaded_only_once_its_copy_landed(bad: str) -> None:
         assert not {"load_chunks", "hits_cpu", "load_chunks_group0", "load_bytes"} & set(stats.data)
     finally:
         worker.close()
+        loop.close()
+
+
+def test_a_failed_load_drops_its_requests_writes_but_not_the_demotions_its_save_carries(tmp_path: Path) -> None:
+    """Request r's synchronous load from cpu fails (the record is gone) in the step whose save writes r's chunks
+    into cpu and, to make room there, demotes another request's chunk X to disk. r's writes are dropped (computed
+    after a failed load: wrong); X's demotion still lands on disk, bit for bit (it was evicted from cpu and never
+    written: lost)."""
+    cpu = CpuTier(CpuTierConfig("cpu", 1 << 20))
+    disk = DiskTier(DiskTierConfig("disk", 1 << 22, path=str(tmp_path)))
+    loop = LoopThread()
+    store = TieredStore([cpu, disk], None, role=Role.WORKER)
+    loop.run(store.start())
+    worker = WorkerHalf(KCC, store, loop, chunk_size=C)
+    worker.register_kv_caches(paged(4))
+    worker.wait_timeout_s = worker.async_load_timeout_s = BOUND
+    try:
+        x, gone = bytes([9]) * 32, bytes([8]) * 32
+        value = torch.arange(64, dtype=torch.float32)
+        assert loop.run(cpu.put([(x, value)])) == [True]
+        load = LoadSpec("r", 0, "cpu", (gone,), ((11, 12),))
+        save = SaveSpec("r", 0, CHUNK_KEYS, CHUNK_BLOCKS, (StorePlan("disk", (x,), (), "cpu"),
+                                                         StorePlan("cpu", CHUNK_KEYS, (x,))))
+        worker.start_load_kv(KVTierMetadata(loads=[load], saves=[save]))
+        assert worker.get_block_ids_with_load_errors() == {11, 12}
+        worker.wait_for_save()
+        worker.flush()
+        assert loop.run(cpu.contains(list(CHUNK_KEYS))) == [False, False]  # r's writes dropped
+        got = loop.run(disk.get([x]))[0]
+        assert got is not None and torch.equal(got, value)  # X demoted, not lost
+        assert loop.run(cpu.contains([x])) == [False]
+        report = worker.report()  # the scheduler learns both: X READY on disk, r's chunks forgotten
+        assert report is not None and [row[1:3] for row in report.stored_saves] == [("disk", x)]
+        assert sorted(row[1:3] for row in report.failed_saves) == [("cpu", k) for k in CHUNK_KEYS]
+    finally:
+        worker.close()
+        loop.run(store.close())
         loop.close()

@@ -60,8 +60,9 @@ class Events:
 def server(models: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     work = tmp_path_factory.mktemp("server")
     config = work / "kvtier.yaml"
-    # no copies to disk while idle (the demotion's lifecycle below; persisting: test_vllm_restart_e2e.py)
-    config.write_text(f"chunk_size: {CHUNK}\nserve_without_prefix_caching: true\npolicy: {{persist_after_idle: 0}}\n"
+    # no copies to disk while running (the demotion's lifecycle below; persisting: test_vllm_restart_e2e.py)
+    config.write_text(f"chunk_size: {CHUNK}\nserve_without_prefix_caching: true\n"
+                      "policy: {persist_after_idle: 0, persist_max_lag: 0}\n"
                       "tiers:\n"
                       f"  - {{name: cpu, kind: cpu, capacity: {2 * CHUNK_BYTES}}}\n"
                       f"  - {{name: disk, kind: disk, capacity: 64MiB, path: {work / 'disk'}}}\n")

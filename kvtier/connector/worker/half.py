@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.base import KVConnectorStats
@@ -42,7 +42,8 @@ from kvtier.control.metrics import Deltas, WorkerCounters, hit_tokens, nonzero, 
 from kvtier.errors import ConnectorError
 from kvtier.layout import KVCacheConfig
 from kvtier.layout.geometry import KVLayout
-from kvtier.tiers.runtime import LoopThread
+from kvtier.records.keys import Key
+from kvtier.tiers.runtime import SAVES_AT_STOP_S, LoopThread
 
 if TYPE_CHECKING:
     import torch
@@ -236,7 +237,11 @@ class WorkerHalf:
             data["samples:save_seconds"] = counts.save_samples
         return KVConnectorStats(data=data) if data else None
 
-    def close(self) -> None:
-        """Wait for pending saves, abandon pending loads."""
-        self._saves.close()
+    async def landed(self, tier: str, keys: Sequence[Key]) -> None:
+        """Wait until this worker's saves writing any of ``keys`` to ``tier`` are done (``SaveQueue.landed``)."""
+        await self._queue.landed(tier, keys)
+
+    def close(self, wait_s: float = SAVES_AT_STOP_S) -> None:
+        """Wait (at most ``wait_s``) for pending saves, abandon pending loads."""
+        self._saves.close(wait_s)
         self._loads.close()

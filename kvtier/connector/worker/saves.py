@@ -32,7 +32,7 @@ from kvtier.control.directory import StorePlan
 from kvtier.control.metrics import WorkerCounters
 from kvtier.records.keys import Key
 from kvtier.tiers.memory.recycle import Recycler
-from kvtier.tiers.runtime import LoopThread
+from kvtier.tiers.runtime import SAVES_AT_STOP_S, LoopThread
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SAVE_BUFFERS_IDLE = 256 << 20  # idle gather buffers kept for reuse
-CLOSE_WAIT_S = 30.0  # how long close waits for pending saves
 
 
 class SavePath:
@@ -66,8 +65,9 @@ class SavePath:
         """Gather this step's saves now and hand them to the I/O loop in one job; write them to memory tiers at
         once when nothing is queued ahead (a copy, no I/O to hide), else in the background in step order. Saves
         that would take the backlog of queued, unwritten bytes past the queue's ``max_backlog`` are skipped: their
-        evictions still run, and the scheduler forgets their chunks. So are the saves of the requests in ``drop``
-        (their load failed in this step: what it computed is wrong), without marking their later saves."""
+        evictions and the demotions they carry (other chunks') still run, and the scheduler forgets their chunks.
+        So are the saves of the requests in ``drop`` (their load failed in this step: what it computed is wrong),
+        without marking their later saves."""
         dropped = [s for s in specs if s.keys and s.req_id in drop]
         kept, skipped = self.queue.admit([s for s in specs if not (s.keys and s.req_id in drop)], self._kv.chunk_bytes)
         skipped.extend(dropped)
@@ -76,9 +76,8 @@ class SavePath:
         self._counters.gathered(time.perf_counter() - t0)
         jobs = [SaveJob(spec, [self._kv.plan(spec.group, p) for p in spec.plans], None) for spec in skipped]
         for spec in kept:
-            if any((spec.group, k) not in payloads for k in spec.keys):  # its group's gather failed
-                self.report_failed(spec)
-                self.requests.setdefault(spec.req_id, []).append(done(None))
+            if any((spec.group, k) not in payloads for k in spec.keys):  # its group's gather failed: skipped
+                jobs.append(SaveJob(spec, [self._kv.plan(spec.group, p) for p in spec.plans], None))
                 continue
             items = {self._kv.key(spec.group, k): payloads[(spec.group, k)] for k in spec.keys}
             jobs.append(SaveJob(spec, [self._kv.plan(spec.group, p) for p in spec.plans], items))
@@ -185,10 +184,14 @@ class SavePath:
                 self.queue.forget(req_id)
         return sending
 
-    def close(self) -> None:
-        """Wait (at most ``CLOSE_WAIT_S``) for pending saves."""
+    def close(self, wait_s: float = SAVES_AT_STOP_S) -> None:
+        """Wait (at most ``wait_s``) for pending saves; the ones still running then are dropped."""
         pending = [*self.drops, *(f for futures in self.requests.values() for f in futures)]
-        concurrent.futures.wait(pending, timeout=CLOSE_WAIT_S)
+        _, late = concurrent.futures.wait(pending, timeout=max(wait_s, 0.0))
+        if late:
+            logger.warning("%d save(s) still running at the stop after %.1fs: dropped", len(late), wait_s)
+            for future in late:
+                future.cancel()
 
 
 def _planned(spec: SaveSpec, plans: Sequence[StorePlan]) -> dict[tuple[str, Key], Key]:

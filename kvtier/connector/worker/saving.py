@@ -7,7 +7,8 @@ Lifecycle, per engine step (``SavePath.save``, kvtier.connector.worker.saves):
                     unbounded queue of copies and held blocks
     submit(jobs)    after the worker gathered the kept ones: one coroutine on the I/O loop runs the step's jobs
                     in order behind earlier steps' (an eviction never overtakes an earlier write); a skipped
-                    job runs only its evictions, and its chunks are reported not stored; a job done reports
+                    job runs only its evictions and the demotions it carries, and its chunks are reported not
+                    stored; a job done reports
                     what it wrote, so the scheduler can serve those chunks before their request ends
     landed(tier, keys)  (an asynchronous load, on the I/O loop) waits for the jobs writing any of ``keys`` to
                     ``tier``: the scheduler plans loads of chunks whose writes it has not heard landed yet
@@ -53,7 +54,7 @@ ReportStored = Callable[[SaveSpec, "Sequence[StorePlan]", "Sequence[tuple[str, K
 @dataclass(frozen=True)
 class SaveJob:
     """One save spec as the I/O loop runs it: the plans under this rank's keys and the gathered payloads
-    (None: skipped, only its evictions run)."""
+    (None: skipped, only its evictions and the demotions it carries run)."""
 
     spec: SaveSpec
     plans: list[StorePlan]
@@ -135,9 +136,11 @@ class SaveQueue:
     def _claim(self, job: SaveJob) -> concurrent.futures.Future[None]:
         """The future that ends with ``job``; loads of the records it writes wait for it (``landed``)."""
         end: concurrent.futures.Future[None] = concurrent.futures.Future()
-        if job.items is not None:  # a skipped job writes nothing: a read of its keys misses at once
+        writes = [(p.tier, k) for p in job.plans for k in p.store  # a skipped job writes only its demotions
+                  if job.items is not None or p.source is not None]
+        if writes:
             with self._lock:
-                self._writes.update(((p.tier, k), end) for p in job.plans for k in p.store)
+                self._writes.update((w, end) for w in writes)
         return end
 
     def _end(self, job: SaveJob, end: concurrent.futures.Future[None]) -> None:
@@ -195,10 +198,8 @@ class SaveQueue:
             self._counters.save_failed(len(spec.keys))
             self._report_failed(spec, None, ())
             return
-        if items is None:
-            self._report_failed(spec, None, ())
-            return
-        if failed:
+        if failed:  # a skipped job's writes, each reported not stored; the demotions it carries as they went
             self._report_failed(spec, plans, failed)
         self._report_stored(spec, plans, failed)
-        self._counters.saved(sum(stored.values()), job.nbytes, time.perf_counter() - t0)
+        if items is not None:
+            self._counters.saved(sum(stored.values()), job.nbytes, time.perf_counter() - t0)

@@ -55,6 +55,10 @@ class Victim:
     own: bool
 
 
+class TierClosed(Exception):
+    """The tier closed while a batch was being staged: the batch is dropped."""
+
+
 class SharedDirectory:
     """This tier's membership of its directory's ledger."""
 
@@ -70,6 +74,7 @@ class SharedDirectory:
         self.foreign: set[bytes] = set()  # namespaces other running processes serve, as last read
         self.described: dict[bytes, dict[str, Any]] = {}
         self.manifested: set[bytes] = set()
+        self.closed = False  # the tier closed: a batch staged before is dropped, never counted or placed
 
     # ---- transactions (blocking) ----------------------------------------------------------------------
     def _note(self, state: LedgerState, own: Sequence[bytes]) -> None:
@@ -142,6 +147,8 @@ class SharedDirectory:
             return out, evicted
         try:
             with self.ledger.locked(self.capacity) as state:
+                if self.closed:
+                    raise TierClosed(f"disk tier {self.name} closed while the batch was written")
                 self._note(state, own)
                 placing = self._admit(state, [k for k, _ in items], staged, victims, evicted)
                 if evicted:
@@ -157,6 +164,8 @@ class SharedDirectory:
                 if isinstance(left, Staged) and not isinstance(out[i], int):
                     discard(left.tmp)
                     out[i] = exc if isinstance(exc, OSError) else None
+            if isinstance(exc, TierClosed):
+                return out, evicted
             if not isinstance(exc, OSError):
                 raise
             log.warning("disk tier %s: cannot count writes in the ledger of %s: %s", self.name, self.layout.root, exc)

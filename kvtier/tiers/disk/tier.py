@@ -67,7 +67,7 @@ from kvtier.tiers.disk.io import (
 from kvtier.tiers.disk.records import Records
 from kvtier.tiers.disk.shared import SharedDirectory, Victim
 from kvtier.tiers.memory.recycle import DEFAULT_MAX_IDLE, Recycler
-from kvtier.tiers.runtime import background_thread
+from kvtier.tiers.runtime import CLOSE_WAIT_S, background_thread
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class DiskTier(Tier):
     async def start(self) -> None:
         """Create the root (0700), join its ledger and rebuild the index from the files already there."""
         self.layout.forget_dirs()
+        self._shared.closed = False
         try:
             await asyncio.to_thread(self._create_root)
             result = await asyncio.to_thread(self._shared.join, lambda: scan(self.layout, self.capacity_bytes),
@@ -161,20 +162,30 @@ class DiskTier(Tier):
         return [TierEntry(k, s) for k, s in self._index.items() if self._records.is_own(k)]
 
     async def close(self) -> None:
-        """Wait for writes in flight; leave the ledger; free idle read buffers. Idempotent."""
-        while self._writing:
-            await asyncio.gather(*self._writing.values(), return_exceptions=True)
+        """Wait for writes in flight and leave the ledger, each for at most ``CLOSE_WAIT_S``: a write still stuck
+        in the writer thread then is never counted or placed (``SharedDirectory.closed``); free idle read buffers.
+        Idempotent."""
+        if self._writing:
+            _, stuck = await asyncio.wait(list(self._writing.values()), timeout=CLOSE_WAIT_S)
+            if stuck:
+                log.warning("disk tier %s: %d write(s) still running at close after %.1fs: dropped", self.name,
+                            len(stuck), CLOSE_WAIT_S)
         if self._writer_pool is not None:
             self._writer_pool.shutdown(wait=False)
             self._writer_pool = None
         if self._started:
             self._started = False
+            self._shared.closed = True
             try:
                 leaving = asyncio.get_running_loop().run_in_executor(None, self._shared.leave)
             except RuntimeError:  # at interpreter exit the executor takes no more work: leave inline (one write)
                 self._shared.leave()
             else:
-                await leaving
+                try:
+                    await asyncio.wait_for(leaving, CLOSE_WAIT_S)
+                except TimeoutError:
+                    log.warning("disk tier %s: leaving the ledger of %s took over %.1fs: given up (the entry goes "
+                                "with this process)", self.name, self.layout.root, CLOSE_WAIT_S)
         self._buffers.clear()
 
     def used_bytes(self) -> int:

@@ -62,7 +62,7 @@ def read_yaml(file: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError("", f"{name}: invalid YAML: {exc}") from None
+        raise ConfigError("", f"{name}: invalid YAML: {yaml_problem(exc)}") from None
     except RecursionError:
         raise ConfigError("", f"{name}: YAML nested too deeply") from None
     if data is None:
@@ -70,6 +70,16 @@ def read_yaml(file: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("", f"{name}: the top level must be a mapping, got {type_name(data)}")
     return data
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong, at which line and column (PyYAML's own text spans several lines
+    and names the stream, not the file)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any], path: str = "") -> dict[str, Any]:

@@ -60,7 +60,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma as vl
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as VllmStats
 
+from kvtier import __version__
 from kvtier.config import TierKind
+from kvtier.config.parse import format_size
 from kvtier.connector import base as kvbase
 from kvtier.connector import settings
 from kvtier.connector.factory import ConnectorFactory
@@ -168,6 +170,34 @@ def prefer_recompute(vllm_config: Any) -> None:
                        "fails requests instead of recomputing them")
 
 
+def join_vllm_logging() -> None:
+    """Send kvtier's log records through vLLM's handlers (its format, its level), once per process: the ``kvtier``
+    logger has no handler of its own, so its INFO lines would never reach ``vllm serve``'s output. A ``kvtier``
+    logger the application configured (one with handlers) is left alone."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level if theirs.level != logging.NOTSET else logging.INFO)
+    ours.propagate = False
+
+
+def log_start(connector: TieredConnector, vllm_config: Any) -> None:
+    """One INFO block, once per scheduler: kvtier's version, its tiers with their capacities, how it writes and
+    persists, and vLLM's load-failure policy (the identity is logged by kvtier.connector.keying)."""
+    cfg = connector.kvtier_config
+    tiers = ", ".join(f"{t.name} ({t.kind.value}, {format_size(t.capacity)}"
+                      f"{', ' + str(getattr(t, 'path', '')) if t.kind is TierKind.DISK else ''})" for t in cfg.tiers)
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    policy = cfg.policy
+    persist = ", ".join(f"{what} {f'{seconds:g}s' if seconds else 'off'}" for what, seconds in (
+        ("lag", policy.persist_max_lag), ("idle", policy.persist_after_idle), ("stop", policy.persist_at_close)))
+    logger.info("kvtier %s: tiers %s; chunks of %d tokens, %s, copies to disk (%s); kv_load_failure_policy %s",
+                __version__, tiers, cfg.chunk_size, policy.write.value, persist,
+                getattr(ktc, "kv_load_failure_policy", "unknown"))
+
+
 # kvtier's engine-neutral signatures name kvtier's types where vLLM's name vLLM's (same calls and values), hence
 # the ignores on the two classes below
 class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # type: ignore[misc, unused-ignore]
@@ -177,9 +207,12 @@ class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # 
     stats_type = KVTierStats
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        join_vllm_logging()
         KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         prefer_recompute(vllm_config)
         TieredConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if self._scheduler is not None:
+            log_start(self, vllm_config)
 
     def _worker_tp_rank(self) -> int | None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
@@ -234,6 +267,7 @@ class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):
     stats_type = KVTierMultiStats
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        join_vllm_logging()
         KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         prefer_recompute(vllm_config)
         MultiConnector.__init__(self, vllm_config, role, kv_cache_config, factory=VLLM_FACTORY,

@@ -99,6 +99,9 @@ def duration_arg(text: str | None, option: str) -> float | None:
         return None
     from kvtier.config.parse import parse_duration
 
+    bare = text.strip()
+    if bare.replace(".", "", 1).isdigit():  # a destructive option never guesses the unit
+        raise ConfigError(option, f"{bare!r} has no unit", f"did you mean {bare}d, {bare}h, {bare}m or {bare}s?")
     try:
         seconds = parse_duration(text.strip().lower(), option)
     except ConfigError:

@@ -120,7 +120,8 @@ def shape_defaults(text: str) -> str | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvtier check``."""
-    parser.add_argument("config", metavar="CONFIG", help="YAML config file")
+    parser.add_argument("config", metavar="CONFIG", nargs="?", default=None,
+                        help="YAML config file (default: $KVTIER_CONFIG, else the built-in default)")
     parser.add_argument("--model-shape", default=DEFAULT_SHAPE, type=str, metavar="SHAPE",
                         help=f"layers=N,kv_heads=N,head_size=N,dtype=D[,block_size=N][,state_layers=N,"
                              f"state_bytes=B (a hybrid's recurrent layers and each one's state bytes)] or a preset "
@@ -180,11 +181,45 @@ def report(cfg: KvtierConfig, shape: ModelShape, source: str) -> dict[str, Any]:
         "model_shape": {**asdict(shape), "bytes_per_token": shape.bytes_per_token,
                         "bytes_per_chunk": chunk_payload, "bytes_per_record": record,
                         "state_bytes_per_chunk": state, "bytes_per_state_record": state_record},
-        "policy": {"eviction": cfg.policy.eviction, "write": cfg.policy.write.value,
-                   "promote_on_hit": cfg.policy.promote_on_hit},
+        "policy": policy_as_read(cfg),
+        "warnings": doubts(cfg),
         "placement": {k.value: list(cfg.tiers_for(k)) for k in GroupKind},
         "tiers": tiers,
     }
+
+
+def _seconds(value: float) -> str:
+    return "off" if value == 0 else format_duration(value)
+
+
+def policy_as_read(cfg: KvtierConfig) -> dict[str, Any]:
+    """Every policy setting as kvtier read it, sizes and durations with their unit."""
+    policy = cfg.policy
+    return {"eviction": policy.eviction, "write": policy.write.value, "promote_on_hit": policy.promote_on_hit,
+            "store_threshold": policy.store_threshold, "save_backlog": format_size(policy.save_backlog),
+            "persist_after_idle": _seconds(policy.persist_after_idle),
+            "persist_max_lag": _seconds(policy.persist_max_lag), "persist_at_close": _seconds(policy.persist_at_close)}
+
+
+REDIS_TIMEOUT_DOUBT_S = 10.0  # a Redis operation allowed longer stalls engine steps that long when Redis freezes
+BACKLOG_DOUBT = 1 << 20  # a save backlog below this skips nearly every save
+PERSIST_DOUBT_S = 3600.0  # persisting later than this keeps nothing worth keeping across a restart
+
+
+def doubts(cfg: KvtierConfig) -> list[str]:
+    """Values that parse but can hardly be meant (a bare number read in the wrong unit, most often): one line each,
+    naming the key path and what was read."""
+    found = [f"tiers[{i}].timeout: {format_duration(t.timeout)} per Redis operation: a frozen Redis stalls the "
+             f"engine's steps that long (did you mean {t.timeout:g}ms?)"
+             for i, t in enumerate(cfg.tiers) if isinstance(t, RedisTierConfig) and t.timeout > REDIS_TIMEOUT_DOUBT_S]
+    if cfg.policy.save_backlog < BACKLOG_DOUBT:
+        found.append(f"policy.save_backlog: {format_size(cfg.policy.save_backlog)}: nearly every save is skipped "
+                     f"(did you mean {cfg.policy.save_backlog}MiB?)")
+    for name in ("persist_after_idle", "persist_max_lag", "persist_at_close"):
+        value = getattr(cfg.policy, name)
+        if value > PERSIST_DOUBT_S:
+            found.append(f"policy.{name}: {format_duration(value)} (did you mean {value:g}ms?)")
+    return found
 
 
 def render(rep: dict[str, Any]) -> str:
@@ -200,7 +235,8 @@ def render(rep: dict[str, Any]) -> str:
         *([f"recurrent      {shape['state_layers']} layers x {format_size(shape['state_bytes'])}: "
            f"{format_size(shape['state_bytes_per_chunk'])} per stored state (one per prompt boundary vLLM keeps)"]
           if shape["state_bytes_per_chunk"] else []),
-        "policy         " + " ".join(f"{k}={str(v).lower()}" for k, v in rep["policy"].items()),
+        "policy         " + " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else str(v).replace(' ', '')}"
+                                     for k, v in rep["policy"].items()),
         "placement      " + "; ".join(f"{k}: {', '.join(v) or '(not stored)'}" for k, v in rep["placement"].items()),
         "",
         f"{'tier':<10} {'kind':<6} {'capacity (bytes)':>30} {'chunks':>10} {'tokens':>12}  details",
@@ -220,7 +256,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         shape = parse_model_shape(args.model_shape)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") or k == "KVTIER_CACHE_DIR"}
-        cfg = load_config(args.config, env=env if args.no_env else os.environ)
+        env = env if args.no_env else dict(os.environ)
+        if args.config is None:
+            args.config = env.get("KVTIER_CONFIG") or "(built-in default)"
+            cfg = load_config(None, env=env)
+        else:
+            cfg = load_config(args.config, env=env)
         check_fit(cfg, shape.layout())
         check_extras(cfg)
     except ConfigError as exc:
@@ -232,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(f"kvtier check: {note}", file=sys.stderr)
     rep = report(cfg, shape, args.config)
+    for doubt in rep["warnings"]:
+        print(f"kvtier check: warning: {doubt}", file=sys.stderr)
     if not args.probe:
         print(json.dumps(rep, indent=2) if args.json else render(rep))
         return 0

@@ -7,7 +7,8 @@
 * gpu: the device exists (``torch`` is imported only here, and only when a gpu tier is configured);
 * capacities against the host (below): memory tiers reserved as at start, then against RAM and
   GPU memory, disk quotas against the free space of their file system, a Redis tier against the server's
-  ``maxmemory``.
+  ``maxmemory`` (0, unbounded, warns) and ``maxmemory-policy`` (one that does not evict warns);
+* the record-signing key (``security.hmac_key_env``): set, and at least 16 bytes, as the engine requires.
 
 Each probe gives :class:`Finding`\\ s: ``ok``, ``warn`` (the config would take more than the host has; kvtier
 still starts) or ``fail`` (the tier cannot start or work here), each naming the config key to look at.
@@ -35,6 +36,8 @@ from kvtier.config import (
     TierKind,
 )
 from kvtier.config.parse import format_size
+from kvtier.errors import ConfigError
+from kvtier.records.security import load_hmac_key
 from kvtier.tiers.redis.client import RedisEndpoint, make_client, parse_endpoint
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -69,7 +72,20 @@ def probe(cfg: KvtierConfig, env: Mapping[str, str] | None = None) -> list[Findi
     if gpus:
         findings.extend(probe_gpus(gpus))
     findings.extend(host_capacity(cfg))
+    findings.extend(probe_signing(cfg, env))
     return findings
+
+
+def probe_signing(cfg: KvtierConfig, env: Mapping[str, str]) -> list[Finding]:
+    """The record-signing key the engine will read (``security.hmac_key_env``): set and long enough."""
+    var = cfg.security.hmac_key_env
+    if not var:
+        return []
+    try:
+        key = load_hmac_key(cfg.security, env)
+    except ConfigError as exc:
+        return [Finding(exc.path, "security", FAIL, f"{exc}: the engine will refuse to start")]
+    return [Finding("security.hmac_key_env", "security", OK, f"${var} holds a signing key of {len(key or b'')} bytes")]
 
 
 # ---- disk --------------------------------------------------------------------------------------------------
@@ -243,13 +259,26 @@ def _cluster_nodes(text: str) -> list[tuple[str, int]]:
     return nodes
 
 
+EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")  # maxmemory policies that make room for new records
+
+
 def _maxmemory(section: RedisTierConfig, key: str, client: Any) -> list[Finding]:
-    limit = int(client.info("memory").get("maxmemory", 0) or 0)
-    if limit and section.capacity > limit:
-        return [Finding(key, section.name, WARN, f"{format_size(section.capacity)} is more than the server's "
-                        f"maxmemory {format_size(limit)}: the server evicts first (lower capacity or raise "
-                        f"maxmemory)")]
-    return []
+    """Warnings when the server's memory is unbounded, below the tier's capacity, or full without evicting."""
+    memory = client.info("memory")
+    limit, policy = int(memory.get("maxmemory", 0) or 0), str(memory.get("maxmemory_policy", ""))
+    found: list[Finding] = []
+    if not limit:
+        found.append(Finding(key, section.name, WARN, "the server's maxmemory is 0 (unbounded): kvtier's records "
+                             "grow until the host runs out of memory (run Redis with maxmemory of at least "
+                             f"{format_size(section.capacity)} and maxmemory-policy allkeys-lru)"))
+    elif section.capacity > limit:
+        found.append(Finding(key, section.name, WARN, f"{format_size(section.capacity)} is more than the server's "
+                             f"maxmemory {format_size(limit)}: the server evicts first (lower capacity or raise "
+                             f"maxmemory)"))
+    if limit and policy and policy not in EVICTING:
+        found.append(Finding(key, section.name, WARN, f"the server's maxmemory-policy is {policy}: once full it "
+                             "refuses new records instead of evicting old ones (set maxmemory-policy allkeys-lru)"))
+    return found
 
 
 def _redis_error(section: RedisTierConfig, key: str, endpoint: RedisEndpoint, exc: BaseException) -> str:

@@ -312,6 +312,13 @@ def test_malformed_files(tmp_path: Path, text: str, words: str) -> None:
     assert words in str(error_of(write(tmp_path, text)))
 
 
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_line_and_column(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_size: 256\ntiers:\n  - {name: cpu, kind: cpu, capacity: 1GiB\n")
+    text = str(error_of(path))
+    assert "\n" not in text and "<unicode string>" not in text
+    assert text.startswith(f"{path}: invalid YAML: line 4, column 1: ")
+
+
 def test_missing_file_and_bad_source(tmp_path: Path) -> None:
     assert "not found" in str(error_of(tmp_path / "absent.yaml"))
     assert "not found" in str(error_of(env={"KVTIER_CONFIG": str(tmp_path / "absent.yaml")}))

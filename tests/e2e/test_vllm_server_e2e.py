@@ -1,5 +1,5 @@
-"""kvtier in a real ``vllm`` OpenAI server (vLLM's CPU build): its metrics in the server's own ``/metrics`` and its
-KV events on vLLM's ZMQ stream (``--kv-events-config``).
+"""kvtier in a real ``vllm`` OpenAI server (vLLM's CPU build): its start in the server's log, its metrics in the
+server's own ``/metrics`` and its KV events on vLLM's ZMQ stream (``--kv-events-config``).
 
 One server for the module: the tiny Llama, vLLM's prefix cache off (so every hit is kvtier's), kvtier with a cpu
 tier of two chunks in front of a disk tier (write-back: what cpu evicts is demoted to disk). The test binds the
@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from conftest import engine_env
 
+from kvtier import __version__
 from kvtier.bench.redis_servers import free_port
 from kvtier.bench.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, metric, running
 
@@ -91,6 +92,19 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
     return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+def test_kvtier_says_in_the_servers_log_that_it_started_with_which_tiers(server: Server) -> None:
+    """kvtier's INFO lines go through vLLM's handlers: one block with kvtier's version, its tiers and capacities,
+    how it writes and persists, and vLLM's load-failure policy (kvtier set it to recompute); and the identity its
+    records are tied to (before, none of kvtier's INFO lines reached the log)."""
+    text = server.log.read_text(errors="replace")
+    start = [line for line in text.splitlines() if f"kvtier {__version__}: tiers " in line]
+    assert len(start) == 1, text[-4000:]
+    assert f"cpu (cpu, {2 * CHUNK_BYTES // 1024} KiB), disk (disk, 64 MiB, " in start[0]
+    assert "write_back" in start[0] and "kv_load_failure_policy recompute" in start[0]
+    assert " INFO " in start[0]  # vLLM's format
+    assert "kvtier records are tied to" in text
 
 
 def test_metrics_show_kvtiers_hits_by_tier_equal_to_the_tokens_the_engine_did_not_compute(server: Server) -> None:

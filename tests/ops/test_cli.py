@@ -48,8 +48,37 @@ def test_check_default_config(default_report: subprocess.CompletedProcess[str]) 
     assert rows["cpu"][5:7] == ["64", str(64 * 256)]  # memory slots hold raw payloads: 2 GiB / 32 MiB
     # disk records carry a header: 8 GiB / (32 MiB + header) = 255 whole chunks
     assert rows["disk"][5:7] == ["255", str(255 * 256)]
-    assert "eviction=adaptive write=write_back promote_on_hit=true" in out
+    assert "eviction=adaptive write=write_back promote_on_hit=true store_threshold=1 save_backlog=256MiB " \
+           "persist_after_idle=1s persist_max_lag=2s persist_at_close=4s" in out  # every setting, with its unit
     assert default_report.stderr == ""
+
+
+def test_check_alone_checks_kvtier_config_else_the_built_in_default(tmp_path: Path) -> None:
+    """Like stats, inspect, purge and demo: no CONFIG means $KVTIER_CONFIG, else the built-in default."""
+    alone = run_kvtier("check", env={"KVTIER_CACHE_DIR": str(tmp_path)})
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.startswith("(built-in default): OK") and "cpu " in alone.stdout and "disk " in alone.stdout
+    named = run_kvtier("check", env={"KVTIER_CONFIG": "configs/cpu.yaml"})
+    assert named.returncode == 0 and named.stdout.startswith("configs/cpu.yaml: OK") and "disk " not in named.stdout
+
+
+def test_check_warns_of_values_that_can_hardly_be_meant(tmp_path: Path) -> None:
+    """Bare numbers read in seconds or bytes: a Redis timeout of 50 (s), a backlog of 256 (B), a persist lag of
+    5000 (s). Each is one warning naming its key and what was read; the config is still valid (exit 0)."""
+    config = tmp_path / "kvtier.yaml"
+    config.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity: 64MiB}\n"
+                      "  - {name: redis, kind: redis, capacity: 64MiB, url: 'redis://127.0.0.1:1/0', timeout: 50}\n"
+                      "policy: {save_backlog: 256, persist_max_lag: 5000}\n")
+    proc = run_kvtier("check", str(config))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines == [
+        "kvtier check: warning: tiers[1].timeout: 50s per Redis operation: a frozen Redis stalls the engine's steps "
+        "that long (did you mean 50ms?)",
+        "kvtier check: warning: policy.save_backlog: 256 B: nearly every save is skipped (did you mean 256MiB?)",
+        "kvtier check: warning: policy.persist_max_lag: 5000s (did you mean 5000ms?)"]
+    assert json.loads(run_kvtier("check", str(config), "--json").stdout)["warnings"] == [
+        line.removeprefix("kvtier check: warning: ") for line in lines]
 
 
 def test_a_partial_model_shape_says_which_fields_came_from_the_default() -> None:
@@ -138,7 +167,7 @@ def test_help_lists_subcommands_and_tolerates_missing_ones() -> None:
 # ---- in process ------------------------------------------------------------------------------------------
 
 def test_main_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["check"]) == 2  # CONFIG is required
+    assert cli.main(["check", "--model-shape", "nonsense"]) == 2
     assert cli.main(["frobnicate"]) == 2
     assert cli.main([]) == 2
     assert cli.main(["--version"]) == 0

@@ -90,7 +90,7 @@ def test_numeric_types_reject(parse: object, text: str) -> None:
 @pytest.mark.parametrize(("argv", "start_of_line"), [
     ([], "kvtier: error: no command given: use one of check, demo, bench"),
     (["frobnicate"], "kvtier: error: argument COMMAND: invalid choice: 'frobnicate'"),
-    (["check"], "kvtier: error: the following arguments are required: CONFIG (see 'kvtier check --help')"),
+    (["check", "--model-shape"], "kvtier: error: argument --model-shape: expected one argument (see 'kvtier check"),
     (["--log-level"], "kvtier: error: argument --log-level: expected one argument"),
 ])
 def test_usage_errors_are_one_line(argv: list[str], start_of_line: str, capsys: pytest.CaptureFixture[str]) -> None:

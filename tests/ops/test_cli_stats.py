@@ -175,6 +175,7 @@ def test_purge_leaves_a_ledger_to_its_owner(tmp_path: Path, cache: Path, capsys:
     (["purge", "--config", "{cfg}"], "say what to delete"),
     (["purge", "--config", "{cfg}", "--all", "--model", "m"], "do not combine"),
     (["purge", "--config", "{cfg}", "--older-than", "soon"], "--older-than: bad duration"),
+    (["purge", "--config", "{cfg}", "--older-than", "7"], "--older-than: '7' has no unit (did you mean 7d, 7h"),
     (["purge", "--config", "{cfg}", "--namespace", "abc"], "--namespace: expected 32 hex digits"),
     (["inspect", "--config", "{cfg}"], "give either --namespace HEX or --key HEX"),
     (["stats", "--config", "{cfg}", "--tier", "nope"], "no tier named 'nope'"),

@@ -151,6 +151,44 @@ def test_nothing_listening_fails_with_one_line(tmp_path: Path, capsys: pytest.Ca
     assert len(err) == 1 and err[0].startswith(f"kvtier: error: tiers[0].url: cannot reach {url}")
 
 
+@pytest.mark.parametrize(("maxmemory", "policy", "warned"), [
+    ("0", "allkeys-lru", "maxmemory is 0 (unbounded)"),
+    ("64mb", "noeviction", "maxmemory-policy is noeviction"),
+    ("64mb", "allkeys-lru", None),
+])
+def test_a_redis_that_would_not_bound_or_evict_warns(tmp_path: Path, redis_factory: Any,
+                                                     capsys: pytest.CaptureFixture[str], maxmemory: str,
+                                                     policy: str, warned: str | None) -> None:
+    """The docs require ``maxmemory`` and an evicting policy: the probe warns about a server without them (exit 0:
+    the engine starts, and the server misbehaves later)."""
+    srv = redis_factory(maxmemory=maxmemory, extra=["--maxmemory-policy", policy])
+    rc, rep, _ = probe_json(capsys, write_config(
+        tmp_path, {"name": "redis", "kind": "redis", "capacity": "32MiB", "url": srv.url}))
+    warnings = [f["message"] for f in rep["probe"] if f["level"] == WARN and f["path"] == "tiers[0].capacity"]
+    assert rc == 0
+    assert warnings == [] if warned is None else len(warnings) == 1 and warned in warnings[0]
+
+
+@pytest.mark.parametrize(("value", "level"), [(None, FAIL), ("short", FAIL), ("k" * 32, OK)])
+def test_the_signing_key_the_engine_will_need_is_probed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                                        level: str) -> None:
+    """``security.hmac_key_env`` unset or too short: the engine refuses to start, so the probe fails, naming the
+    setting and never the key."""
+    monkeypatch.delenv("KVTIER_PROBE_KEY", raising=False)
+    if value is not None:
+        monkeypatch.setenv("KVTIER_PROBE_KEY", value)
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump({"chunk_size": 16, "security": {"hmac_key_env": "KVTIER_PROBE_KEY"},
+                                    "tiers": [disk(tmp_path / "kv")]}))
+    rc, rep, err = probe_json(capsys, str(path))
+    found = by_path(rep)["security.hmac_key_env"]
+    assert found["level"] == level and rc == (1 if level == FAIL else 0)
+    if level == FAIL:
+        assert len(err) == 1 and "KVTIER_PROBE_KEY" in err[0] and "refuse to start" in err[0]
+        assert value is None or value not in err[0]  # the key itself is never printed
+
+
 def test_wrong_password_says_authentication_failed(tmp_path: Path, redis_factory: Any,
                                                    capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:

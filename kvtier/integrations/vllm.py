@@ -170,16 +170,29 @@ def prefer_recompute(vllm_config: Any) -> None:
                        "fails requests instead of recomputing them")
 
 
+class ToVllmLog(logging.Handler):
+    """Hands each kvtier record to the handlers vLLM's logger has when the record is made (its format, its level):
+    vLLM may configure its logging again after kvtier joined it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_logger = logging.getLogger("vllm")
+        if not vllm_logger.isEnabledFor(record.levelno):
+            return
+        for handler in vllm_logger.handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def join_vllm_logging() -> None:
-    """Send kvtier's log records through vLLM's handlers (its format, its level), once per process: the ``kvtier``
-    logger has no handler of its own, so its INFO lines would never reach ``vllm serve``'s output. A ``kvtier``
-    logger the application configured (one with handlers) is left alone."""
+    """Send kvtier's log records to vLLM's log, once per process, where nothing else would show them: the
+    ``kvtier`` logger has no handler of its own, so its INFO lines never reach ``vllm serve``'s output. Left alone:
+    a ``kvtier`` logger the application gave handlers, and a process whose root logger has handlers (its records
+    propagate there)."""
     ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
         return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level if theirs.level != logging.NOTSET else logging.INFO)
+    ours.addHandler(ToVllmLog())
+    ours.setLevel(min(theirs.getEffectiveLevel(), logging.INFO))
     ours.propagate = False
 
 

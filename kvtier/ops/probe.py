@@ -84,7 +84,8 @@ def probe_signing(cfg: KvtierConfig, env: Mapping[str, str]) -> list[Finding]:
     try:
         key = load_hmac_key(cfg.security, env)
     except ConfigError as exc:
-        return [Finding(exc.path, "security", FAIL, f"{exc}: the engine will refuse to start")]
+        problem = str(exc).removeprefix(f"{exc.path}: ")
+        return [Finding(exc.path, "security", FAIL, f"{problem}: the engine will refuse to start")]
     return [Finding("security.hmac_key_env", "security", OK, f"${var} holds a signing key of {len(key or b'')} bytes")]
 
 
@@ -275,9 +276,12 @@ def _maxmemory(section: RedisTierConfig, key: str, client: Any) -> list[Finding]
         found.append(Finding(key, section.name, WARN, f"{format_size(section.capacity)} is more than the server's "
                              f"maxmemory {format_size(limit)}: the server evicts first (lower capacity or raise "
                              f"maxmemory)"))
-    if limit and policy and policy not in EVICTING:
-        found.append(Finding(key, section.name, WARN, f"the server's maxmemory-policy is {policy}: once full it "
-                             "refuses new records instead of evicting old ones (set maxmemory-policy allkeys-lru)"))
+    volatile = policy.startswith("volatile-")
+    if limit and policy and policy not in EVICTING and not (volatile and section.ttl):
+        why = ("evicts only keys with an expiry, and kvtier's records have none without the tier's ttl" if volatile
+               else "refuses new records once full instead of evicting old ones")
+        found.append(Finding(key, section.name, WARN, f"the server's maxmemory-policy is {policy}: it {why} (set "
+                             "maxmemory-policy allkeys-lru)"))
     return found
 
 

@@ -168,24 +168,28 @@ class Persister:
         idle_in = None if self.after_idle is None else self._busy_at + self.after_idle - now
         if idle_in is not None and idle_in <= 0:
             return 0.0, self._pick(None), False
-        oldest = next(iter(self._waiting.values()), None)
+        oldest = self._oldest_since()
         if self.max_lag is None or oldest is None:
             return max(idle_in or 0.0, 0.001), [], True
         half = self.max_lag / 2
-        if now - oldest.since >= half:
+        if now - oldest >= half:
             return 0.0, self._pick(now - half), True
-        due_in = oldest.since + half - now
+        due_in = oldest + half - now
         return max(min(due_in, idle_in if idle_in is not None else due_in), 0.001), [], True
 
     def _rest_limit(self) -> float:
         """Seconds until the oldest waiting copy has waited ``max_lag``, or the engine counts as idle (0: now)."""
         limits = []
-        oldest = next(iter(self._waiting.values()), None)
-        if oldest is not None and self.max_lag is not None:
-            limits.append(oldest.since + self.max_lag - self._clock())
+        if (oldest := self._oldest_since()) is not None and self.max_lag is not None:
+            limits.append(oldest + self.max_lag - self._clock())
         if self.after_idle is not None:
             limits.append(self._busy_at + self.after_idle - self._clock())
         return max(min(limits, default=0.0), 0.0)
+
+    def _oldest_since(self) -> float | None:
+        """When the oldest waiting copy was planned (None: none waits); ``_waiting`` is in plan order."""
+        oldest = next(iter(self._waiting.values()), None)
+        return None if oldest is None else oldest.since
 
     def _pick(self, planned_by: float | None) -> list[Source]:
         """The next round's copies (planned by ``planned_by``; None: any): the most hit first, then the oldest.
@@ -219,8 +223,8 @@ class Persister:
             try:
                 try:
                     await (self._landed(tier, list(plan.store)) if self._landed else self._store.quiet())
-                except BaseException:  # no copy started: the directory of a one-process store forgets them
-                    await self._store.execute([StorePlan(target, plan.store)], {}, skip_writes=True)
+                except BaseException:  # no copy started
+                    await self._unplan(target, plan.store)
                     raise
                 t0 = time.perf_counter()
                 await self._store.execute([plan], {}, failed)
@@ -232,11 +236,15 @@ class Persister:
             written += sum(ok for _, _, ok in rows)
         return written, spent
 
+    async def _unplan(self, target: str, keys: Sequence[Key]) -> None:
+        """Copies to ``target`` that will not run: in one process, the store's directory forgets them (they were
+        PENDING there)."""
+        await self._store.execute([StorePlan(target, tuple(keys))], {}, skip_writes=True)
+
     async def _abandon(self, target: str, copies: Sequence[tuple[Key, Key]]) -> None:
-        """Copies that will not run: reported not written (and, in one process, forgotten by the store's
-        directory, where they were PENDING)."""
+        """Copies that will not run, reported not written."""
         if copies:
-            await self._store.execute([StorePlan(target, tuple(k for k, _ in copies))], {}, skip_writes=True)
+            await self._unplan(target, [k for k, _ in copies])
             self._note([(target, theirs, False) for _, theirs in copies])
 
     def _note(self, rows: Sequence[tuple[str, Key, bool]]) -> None:

@@ -87,7 +87,14 @@ def load_workload(args: argparse.Namespace) -> Workload:
             return GENERATORS[QUICK_WORKLOAD](seed=args.seed).head(_limit(args))
         raise ConfigError("--trace", f"no trace file at {trace}",
                           f"get it from {TRACE_SOURCE} and give --trace PATH, or use --workload NAME")
-    return load_mooncake(trace, _limit(args))
+    try:
+        workload = load_mooncake(trace, _limit(args))
+    except ValueError as exc:  # a line that is not a Mooncake trace's (or not text)
+        raise ConfigError("--trace", str(exc).splitlines()[0],
+                          "give a Mooncake trace: JSON lines with timestamp, input_length, hash_ids") from None
+    if not workload.requests:
+        raise ConfigError("--trace", f"{trace} holds no requests", "give a Mooncake trace with at least one line")
+    return workload
 
 
 def _limit(args: argparse.Namespace) -> int | None:

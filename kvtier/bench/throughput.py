@@ -14,9 +14,10 @@ medium's raw limit on the same bytes:
   blocks in random order) and chunk payloads, against one contiguous copy of the same bytes.
 
 Goals: memory tiers and transfer >= 80% of the raw copy, disk and Redis >= 70% of raw. A row below its goal
-says why where it can (``quick``: a ``--quick`` run is too short to judge; ``known``: a cost README explains;
-``noise``: its best round reached the goal). Results: a table on stdout, JSON and a bar chart in ``--out DIR``
-(default ./benchmarks/results; ./kvtier-results with --quick). See :mod:`kvtier.bench.measure` for the method.
+says why where it can (``quick``: a ``--quick`` run is too short to judge; ``known``: a cost
+docs/benchmarks/throughput.md explains; ``noise``: its best round reached the goal). Results: a table on stdout,
+JSON and a bar chart in ``--out DIR`` (default ./benchmarks/results; ./kvtier-results with --quick). See
+:mod:`kvtier.bench.measure` for the method.
 """
 
 from __future__ import annotations

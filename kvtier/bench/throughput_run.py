@@ -43,15 +43,16 @@ class Settings:
 
 QUICK = Settings(sizes=(2 << 20, 256 << 10), batch_bytes=8 << 20, repeats=2, disk_repeats=2, fsync=(False,),
                  transfer_layers=4, quick=True)
-KNOWN_MISSES = {  # (tier, op, cache) -> the cost README's "Misses, honestly" explains
+KNOWN_MISSES = {  # (tier, op, cache) -> the cost docs/benchmarks/throughput.md's "Misses, honestly" explains
     ("disk", "load", "warm"): "known: every read checks the record's xxh3 hash",
     ("disk", "store", ""): "known: every write hashes the record (xxh3)",
     ("transfer", "gather", ""): "known: one index kernel per chunk and layer",
     ("transfer", "scatter", ""): "known: one index kernel per chunk and layer",
 }
 MISS_LEGEND = ("MISS: below its goal in this run. quick: a --quick run moves too few bytes over too few rounds to "
-               "judge a tier against its medium's limit (README's figures are full runs); known: a cost README "
-               "explains under 'Misses, honestly'; noise: the tier's best round reached the goal.")
+               "judge a tier against its medium's limit (README's figures are full runs); known: a cost "
+               "docs/benchmarks/throughput.md explains under 'Misses, honestly'; noise: the tier's best round "
+               "reached the goal.")
 
 
 def percent(ratio: float) -> int:

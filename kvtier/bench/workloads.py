@@ -255,7 +255,11 @@ def parse_capacities(spec: str, unique_chunks: int, chunk_bytes: int | None = No
 
 def _capacity(item: str, unique_chunks: int, chunk_bytes: int | None) -> int:
     if item.endswith("%"):
-        return max(1, round(float(item[:-1]) / 100 * unique_chunks))
+        share = float(item[:-1])
+        if not 0 < share <= 100:
+            raise ValueError(f"capacity {item!r}: a share of the unique chunks is over 0% and at most 100% "
+                             f"(100% holds every chunk)")
+        return max(1, round(share / 100 * unique_chunks))
     if item.isdigit():
         return int(item)
     if chunk_bytes is None:

@@ -98,7 +98,7 @@ def _lines(report: dict[str, Any], done: bool) -> list[str]:
         if done:
             lines.append(f"{name}: deleted {e['deleted']} records, {e['deleted_bytes']} bytes "
                          f"({size(e['deleted_bytes'])})")
-            lines += [f"{name}: note: {note}" for note in e.get("notes", [])]
+            lines += [f"{name}: {note}" for note in e.get("notes", []) if e["deleted"]]
         else:
             lines.append(f"{name}: would delete {e['planned']} records, {e['planned_bytes']} bytes "
                          f"({size(e['planned_bytes'])})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import TYPE_CHECKING
 
 from kvtier.ops.catalog import add_common, label, load, size, table, when
@@ -37,13 +38,27 @@ def render(config: str, summaries: list[TierSummary]) -> str:
             state = f"unreachable: {t.error}" if t.status == "unreachable" else str(t.error)
             lines.append(f"{t.name} ({t.kind}{where}): {state}")
             continue
-        lines.append(f"{t.name} ({t.kind}{where}): {len(t.namespaces)} namespace(s), {t.records} records, "
-                     f"{size(t.bytes)}")
+        if t.kind == "disk" and not os.path.isdir(t.location):
+            lines.append(f"{t.name} ({t.kind}{where}): no such directory: nothing stored there yet (the disk tier "
+                         f"creates it at start){_cache_dir_note(t.location)}")
+            continue
+        held = [n for n in t.namespaces if n.records]
+        lines.append(f"{t.name} ({t.kind}{where}): {len(held)} namespace(s), {t.records} records, {size(t.bytes)}")
         rows = [(label(n.namespace, n.where), n.records, n.bytes, when(n.oldest), when(n.newest), n.description)
-                for n in t.namespaces]
+                for n in held]
         if rows:
             lines += table(("namespace", "records", "bytes", "oldest", "newest", "holds"), rows)
+        if empty := len(t.namespaces) - len(held):
+            lines.append(f"  and {empty} namespace(s) with no records (a manifest left by a purge or an eviction)")
     return "\n".join(lines)
+
+
+def _cache_dir_note(path: str) -> str:
+    """Where ``path`` comes from $KVTIER_CACHE_DIR, says so."""
+    base = os.environ.get("KVTIER_CACHE_DIR")
+    if base and os.path.abspath(path).startswith(os.path.abspath(os.path.expanduser(base))):
+        return f"; its parent is $KVTIER_CACHE_DIR ({base})"
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:

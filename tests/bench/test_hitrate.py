@@ -287,6 +287,30 @@ def test_cli_without_a_trace_says_where_to_get_one(monkeypatch: pytest.MonkeyPat
     assert f"get it from {hitrate.TRACE_SOURCE}" in line and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"timestamp": 0, "input_length": 3}\n', "not a Mooncake trace line"),  # no hash_ids
+    ("this is not json\n", "not a Mooncake trace line"),
+    ("", "holds no requests"),
+])
+def test_cli_a_trace_that_is_not_one_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             text: str, message: str) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(text)
+    assert main(["bench", "hit-rate", "--trace", str(trace), "--no-progress", "--out", str(tmp_path / "r")]) == 2
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    assert out == "" and line.startswith("kvtier: error: --trace: ") and message in line
+    assert not (tmp_path / "r" / "hit_rate.json").exists()
+
+
+@pytest.mark.parametrize("capacity", ["200%", "0%", "5,150%"])
+def test_cli_a_share_over_100_percent_is_refused(capsys: pytest.CaptureFixture[str], capacity: str) -> None:
+    assert main(["bench", "hit-rate", "--workload", "agentic", "--capacity", capacity, "--no-progress",
+                 "--no-plot"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvtier: error: --capacity: ") and "at most 100%" in line
+
+
 def test_cli_missing_trace_in_a_real_process_is_one_line_and_exit_2(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "kvtier", "bench", "hit-rate", "--trace", str(tmp_path / "no.jsonl"),
                            "--quick"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,

@@ -167,8 +167,19 @@ def test_purge_leaves_a_ledger_to_its_owner(tmp_path: Path, cache: Path, capsys:
     ledger = cache / ".kvtier-ledger"
     ledger.write_text("ledger")
     rc, out, _ = kvtier(capsys, "purge", "--config", config(tmp_path), "--all", "--yes")
-    assert rc == 0 and "disk: deleted 7 records" in out and "reconciles it at its next start" in out
-    assert ledger.read_text() == "ledger"
+    assert rc == 0 and "disk: deleted 7 records" in out and "recounts it (nothing to do)" in out
+    assert "note" not in out and ledger.read_text() == "ledger"
+    rc, out, _ = kvtier(capsys, "stats", "--config", config(tmp_path))
+    assert rc == 0 and "disk (disk, " + str(cache) + "): 0 namespace(s), 0 records" in out
+    assert NS_A.hex() not in out and "and 2 namespace(s) with no records" in out
+
+
+def test_stats_names_a_disk_directory_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "nowhere"))
+    rc, out, _ = kvtier(capsys, "stats")
+    assert rc == 0 and "no such directory: nothing stored there yet" in out
+    assert f"its parent is $KVTIER_CACHE_DIR ({tmp_path / 'nowhere'})" in out
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -108,7 +108,8 @@ class DiskSource:
         """What a purge leaves to the tier's owner: a shared usage ledger is not edited here."""
         ledgers = [os.path.join(base, LEDGER_FILES[0]) for _, base in self.roots()
                    if os.path.exists(os.path.join(base, LEDGER_FILES[0]))]
-        return [f"{path}: not edited; the disk tier reconciles it at its next start" for path in ledgers]
+        return [f"the usage ledger {path} counts the deleted bytes until the disk tier's next start, which "
+                "recounts it (nothing to do)" for path in ledgers]
 
     def close(self) -> None:
         """Nothing to release."""

@@ -25,7 +25,7 @@ from kvtier.bench import hitrate
 from kvtier.bench.hitrate import DEFAULT_POLICY, TRACE_SOURCE, SweepSpec, bars, sweep, table
 from kvtier.bench.output import add_output_arguments, save_results
 from kvtier.bench.workloads import GENERATORS, SUITES, Workload, load_mooncake, parse_capacities, suite_workloads
-from kvtier.config.parse import parse_size
+from kvtier.config.parse import parse_size, refuse_bare_size
 from kvtier.control.policy import POLICIES
 from kvtier.errors import ConfigError
 from kvtier.ops.check import parse_model_shape
@@ -114,6 +114,7 @@ def spec_from(args: argparse.Namespace, workload: Workload) -> SweepSpec:
     chunk_bytes = parse_model_shape(args.model_shape).bytes_per_token * workload.chunk_tokens
     try:
         if args.capacity_bytes:
+            refuse_bare_size(args.capacity_bytes, "--capacity-bytes")
             caps = [parse_size(args.capacity_bytes, "--capacity-bytes") // chunk_bytes]
         else:
             default = "10%" if getattr(args, "quick", False) else "5,10,20,40%"

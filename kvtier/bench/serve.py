@@ -148,11 +148,11 @@ def tier_entries(tiers: Sequence[str], workdir: Path, cpu_bytes: int, big_bytes:
     entries = []
     for tier in tiers:
         if tier == "cpu":
-            entries.append(f"{{name: cpu, kind: cpu, capacity: {cpu_bytes}}}")
+            entries.append(f"{{name: cpu, kind: cpu, capacity: {cpu_bytes}B}}")
         elif tier == "disk":
-            entries.append(f"{{name: disk, kind: disk, capacity: {big_bytes}, path: '{workdir / 'kv-disk'}'}}")
+            entries.append(f"{{name: disk, kind: disk, capacity: {big_bytes}B, path: '{workdir / 'kv-disk'}'}}")
         else:
-            entries.append(f"{{name: redis, kind: redis, capacity: {big_bytes}, url: '{redis_url}'}}")
+            entries.append(f"{{name: redis, kind: redis, capacity: {big_bytes}B, url: '{redis_url}'}}")
     return entries
 
 

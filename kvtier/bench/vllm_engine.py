@@ -68,7 +68,7 @@ def kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None, chu
     cache is off, so that every hit is the tier's."""
     tier = {"kvtier_cpu": "{name: cpu, kind: cpu, capacity: 2GiB}",
             "kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / 'kv'}}}",
-            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
+            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1s}}"}[mode]
     # vLLM's prefix cache is off in these modes so that every hit comes from the tier: by choice, so kvtier may serve
     path.write_text(f"chunk_size: {chunk}\ntiers: [{tier}]\nserve_without_prefix_caching: true\n")
     return str(path)

@@ -72,7 +72,7 @@ def kvtier_yaml(path: Path, mode: str, chunk: int, workdir: Path, redis_url: str
     cpu = "{name: cpu, kind: cpu, capacity: 1GiB}"
     disk = f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / ('kv-' + mode)}}}"
     tier = {"kvtier_cpu": cpu, "kvtier_disk": disk, "kvtier_cpu_disk": f"{cpu}, {disk}",
-            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1.0}}"}[mode]
+            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1s}}"}[mode]
     settings = ", ".join(["write: write_back", *(p.replace("=", ": ", 1) for p in policy)])
     path.write_text(f"chunk_size: {chunk}\ntiers: [{tier}]\npolicy: {{{settings}}}\n")
     return str(path)

@@ -106,7 +106,7 @@ def working_set_tokens(prompts: Sequence[Sequence[int]], block_tokens: int) -> i
 def _kvtier_yaml(workdir: Path, mode: str, chunk: int, tier_bytes: int) -> str | None:
     if mode.startswith("prefix"):
         return None
-    tiers = [f"{{name: cpu, kind: cpu, capacity: {tier_bytes}}}"]
+    tiers = [f"{{name: cpu, kind: cpu, capacity: {tier_bytes}B}}"]
     if mode == "kvtier_cpu_disk":
         tiers.append(f"{{name: disk, kind: disk, capacity: 8GiB, path: {workdir / 'kv-disk'}}}")
     threshold = 2 if mode == "kvtier_reuse2" else 1

@@ -45,12 +45,16 @@ from kvtier.config.parse import (
     join,
     parse_duration,
     parse_size,
+    refuse_bare_duration,
+    refuse_bare_size,
     suggest,
     unwrap,
 )
 from kvtier.config.tree import (
+    DURATION_FIELDS,
     EVICTION_POLICIES,
     MEMORY_KINDS,
+    SIZE_FIELDS,
     WEIGHT_MODES,
     CpuTierConfig,
     DiskTierConfig,
@@ -85,6 +89,7 @@ __all__ = [  # the loader, and the tree's names (importable from here as before 
     "TierConfig",
     "TierKind",
     "WritePolicy",
+    "bare_numbers",
     "build_config",
     "config_to_dict",
     "load_config",
@@ -110,9 +115,6 @@ TIER_CLASSES: dict[TierKind, type[TierConfig]] = {
     TierKind.DISK: DiskTierConfig, TierKind.REDIS: RedisTierConfig,
 }
 COMPRESSIONS = ("none", "lz4", "zstd")
-SIZE_FIELDS = frozenset({"capacity", "slot_bytes", "save_backlog"})
-DURATION_FIELDS = frozenset({"ttl", "timeout", "connect_timeout", "breaker_backoff", "persist_after_idle",
-                             "persist_max_lag", "persist_at_close"})
 ZERO_OK = frozenset({"breaker_backoff", "shard_depth", "persist_after_idle", "persist_max_lag",
                      "persist_at_close"})
 PATH_FIELDS = frozenset({"path", "tls_ca", "tls_cert", "tls_key"})
@@ -155,8 +157,40 @@ def _base_layer(source: Any, env: Mapping[str, str], over: Mapping[str, Any]) ->
     if isinstance(source, Mapping):
         return as_mapping(plain(source), "")
     if isinstance(source, str | os.PathLike):
-        return read_yaml(source)
+        return written_numbers(read_yaml(source))
     raise ConfigError("", f"config source must be a file path or a mapping, got {type(source).__name__}")
+
+
+def _unit_numbers(data: Mapping[str, Any]) -> list[tuple[dict[str, Any], str, str]]:
+    """(section, key, key path) of each size or duration in ``policy`` and the tiers written as a number (0 aside,
+    a duration's off). Anything of another shape is left to the validation that names it."""
+    sections = [("policy", data.get("policy"))]
+    if isinstance(data.get("tiers"), list):
+        sections += [(f"tiers[{i}]", t) for i, t in enumerate(data["tiers"])]
+    return [(section, k, f"{path}.{k}") for path, section in sections if isinstance(section, dict)
+            for k, v in section.items() if k in SIZE_FIELDS | DURATION_FIELDS
+            and isinstance(v, int | float) and not isinstance(v, bool) and v != 0]
+
+
+def written_numbers(data: dict[str, Any]) -> dict[str, Any]:
+    """A YAML file's data with the numbers of its sizes and durations as the text they were written as, so that a
+    bare one is refused like a ``KVTIER_*`` variable's (``refuse_bare_size``, ``refuse_bare_duration``)."""
+    data = dict(data)  # copies of the sections it may change (a deep copy would follow YAML's recursive aliases)
+    if isinstance(data.get("policy"), dict):
+        data["policy"] = dict(data["policy"])
+    if isinstance(data.get("tiers"), list):
+        data["tiers"] = [dict(t) if isinstance(t, dict) else t for t in data["tiers"]]
+    for section, key, _ in _unit_numbers(data):
+        section[key] = str(section[key])
+    return data
+
+
+def bare_numbers(data: Mapping[str, Any]) -> list[str]:
+    """One line per size or duration of a mapping written as a number: read as bytes or seconds (an engine's
+    ``kv_connector_extra_config`` warns of them, where a YAML file refuses them)."""
+    return [f"{path}: {section[key]} has no unit: read as {'bytes' if key in SIZE_FIELDS else 'seconds'} (write "
+            f"{section[key]}{'B' if key in SIZE_FIELDS else 's'}, or another unit)"
+            for section, key, path in _unit_numbers(data)]
 
 
 def build_config(data: Mapping[str, Any], env: Mapping[str, str]) -> KvtierConfig:
@@ -192,11 +226,13 @@ def _field_value(name: str, annotation: str, value: Any, path: str, env: Mapping
     if "None" in annotation and unwrap(value) is None:
         return None
     if name in SIZE_FIELDS:
+        refuse_bare_size(value, path)
         size = parse_size(value, path)
         if size <= 0:
             raise ConfigError(path, f"must be positive, got {size}", "e.g. 2GiB")
         return size
     if name in DURATION_FIELDS:
+        refuse_bare_duration(value, path)
         seconds = parse_duration(value, path)
         if seconds <= 0 and name not in ZERO_OK:
             raise ConfigError(path, "must be positive", "use null for none" if "None" in annotation else None)

@@ -101,8 +101,41 @@ def as_float(value: Any, path: str) -> float:
     return float(value)
 
 
+def _bare(value: Any) -> str | None:
+    """The text of a number written without a unit (``"256"``, a ``KVTIER_*`` variable's ``1.5``), else None. A
+    number from Python code (a mapping given to ``load_config``) is taken as bytes or seconds: it was not written
+    as text (a YAML file's numbers are turned into their text first: ``kvtier.config.written_numbers``)."""
+    text = value.raw if isinstance(value, EnvScalar) else value
+    if isinstance(text, str) and re.fullmatch(r"\d+(\.\d*)?|\.\d+", text := text.strip()):
+        return text
+    return None
+
+
+def refuse_bare_size(value: Any, path: str) -> None:
+    """A size written as a bare number is refused with a did-you-mean (``save_backlog: 256`` read as 256 bytes
+    was the trap): configs and flags name their unit."""
+    bare = _bare(value)
+    if bare is None:
+        return
+    n = float(bare)
+    guess = (f"{bare}B ({format_size(int(n))})?" if n >= 1 << 20 and n.is_integer()
+             else f"{bare}MiB or {bare}GiB? {bare}B is bytes")
+    raise ConfigError(path, f"{bare} has no unit", f"did you mean {guess}")
+
+
+def refuse_bare_duration(value: Any, path: str) -> None:
+    """A duration written as a bare number other than 0 is refused with a did-you-mean (``timeout: 50`` read as
+    50 s was the trap): configs and flags name their unit."""
+    bare = _bare(value)
+    if bare is None or float(bare) == 0:
+        return
+    guess = f"{bare}ms? {bare}s is seconds" if float(bare) >= 100 else f"{bare}s or {bare}ms?"
+    raise ConfigError(path, f"{bare} has no unit", f"did you mean {guess}")
+
+
 def parse_size(value: Any, path: str) -> int:
-    """Bytes from an int or a string such as ``512MiB``, ``2GiB``, ``1.5GB``, ``64KiB``, ``10kB``, ``123``."""
+    """Bytes from an int or a string such as ``512MiB``, ``2GiB``, ``1.5GB``, ``64KiB``, ``10kB``, ``123``
+    (:func:`refuse_bare_size` first where the unit must be named)."""
     value = unwrap(value)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
@@ -118,7 +151,8 @@ def parse_size(value: Any, path: str) -> int:
 
 
 def parse_duration(value: Any, path: str) -> float:
-    """Seconds from a number or a string such as ``50ms``, ``2s``, ``5m``, ``1h``, ``1h30m``, ``100us``."""
+    """Seconds from a number or a string such as ``50ms``, ``2s``, ``5m``, ``1h``, ``1h30m``, ``100us``
+    (:func:`refuse_bare_duration` first where the unit must be named)."""
     value = unwrap(value)
     hint = "write seconds as a number or with a unit: 100us, 50ms, 2s, 5m, 1h"
     if isinstance(value, int | float) and not isinstance(value, bool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
@@ -169,17 +170,36 @@ class KvtierConfig:
         return tuple(t.name for t in self.tiers)
 
 
+SIZE_FIELDS = frozenset({"capacity", "slot_bytes", "save_backlog"})
+DURATION_FIELDS = frozenset({"ttl", "timeout", "connect_timeout", "breaker_backoff", "persist_after_idle",
+                             "persist_max_lag", "persist_at_close"})
+
+
+def _with_units(section: dict[str, Any]) -> dict[str, Any]:
+    """``section`` with its sizes in bytes (``4096B``) and durations in seconds (``0.25s``), exact: a bare number
+    is refused on reading."""
+    def text(name: str, value: Any) -> Any:
+        if name in SIZE_FIELDS:
+            return f"{value}B"
+        if name in DURATION_FIELDS:
+            return f"{Decimal(repr(float(value))):f}s"
+        return value
+
+    return {k: text(k, v) for k, v in section.items()}
+
+
 def config_to_dict(cfg: KvtierConfig) -> dict[str, Any]:
-    """Plain dict of a config (sizes in bytes, durations in seconds) that ``load_config`` reads back."""
+    """Plain dict of a config (sizes in bytes, durations in seconds, each with its unit) that ``load_config``
+    reads back."""
     tiers = []
     for tier in cfg.tiers:
-        body = plain_fields(tier)
+        body = _with_units(plain_fields(tier))
         tiers.append({"name": body.pop("name"), "kind": tier.kind.value, **body})
     return {
         "chunk_size": cfg.chunk_size,
         "namespace": plain_fields(cfg.namespace),
         "tiers": tiers,
-        "policy": plain_fields(cfg.policy),
+        "policy": _with_units(plain_fields(cfg.policy)),
         "placement": {kind.value: list(names) for kind, names in cfg.placement.items()},
         "save_partial_chunks": cfg.save_partial_chunks,
         "strict": cfg.strict,

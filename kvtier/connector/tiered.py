@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtier.config import KvtierConfig, TierKind, load_config
+from kvtier.config import KvtierConfig, TierKind, bare_numbers, load_config
 from kvtier.connector.base import (
     KVConnectorBase,
     KVConnectorRole,
@@ -67,8 +67,12 @@ def hmac_key(cfg: KvtierConfig) -> bytes | None:
 
 
 def config_from_engine(engine: EngineSettings) -> KvtierConfig:
-    """kvtier's config from the engine's ``kv_connector_extra_config`` (``config_file`` + overrides)."""
-    return load_config(None, overrides=dict(engine.extra))
+    """kvtier's config from the engine's ``kv_connector_extra_config`` (``config_file`` + overrides); a size or
+    duration there written as a number (JSON) warns."""
+    cfg = load_config(None, overrides=dict(engine.extra))
+    for line in bare_numbers(engine.extra):
+        logger.warning("kvtier: kv_connector_extra_config: %s", line)
+    return cfg
 
 
 def described(ident: Identity, kcc: KVCacheConfig, chunk_size: int) -> dict[bytes, dict[str, Any]]:

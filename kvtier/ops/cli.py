@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Any, NamedTuple, NoReturn
 
 from kvtier import __version__
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.ops.progress import loading
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 1, 2, 130, 141
@@ -99,8 +99,8 @@ def non_negative_int(text: str) -> int:
 
 
 def positive_size(text: str) -> int:
-    """argparse type: a size above 0 bytes (512MiB, 2GiB, 4096)."""
-    from kvtier.config.parse import parse_size
+    """argparse type: a size above 0 bytes with its unit (512MiB, 2GiB, 4096B)."""
+    from kvtier.config.parse import parse_size, refuse_bare_size
 
     try:
         value = parse_size(text, "size")
@@ -108,6 +108,10 @@ def positive_size(text: str) -> int:
         value = -1
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a size above 0 such as 64KiB, 512MiB or 2GiB, got {text!r}")
+    try:
+        refuse_bare_size(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit ({exc.hint})") from None
     return value
 
 

@@ -194,7 +194,7 @@ def test_env_placement_list_and_bool(tmp_path: Path) -> None:
 
 
 def test_overrides_without_file_replace_default_tiers() -> None:
-    cfg = load_config(env={}, overrides={"tiers": [{"name": "mem", "kind": "cpu", "capacity": 1024}]})
+    cfg = load_config(env={}, overrides={"tiers": [{"name": "mem", "kind": "cpu", "capacity": "1KiB"}]})
     assert [t.name for t in cfg.tiers] == ["mem"]
 
 
@@ -220,13 +220,46 @@ def test_redis_urls(url: str, cluster: bool) -> None:
 
 
 def test_tier_kinds_and_compression() -> None:
-    cfg = load_config({"tiers": [{"name": "c", "kind": "cpu", "capacity": 10, "compression": "none"},
-                                 {"name": "d", "kind": "disk", "capacity": 10, "path": "/x", "compression": "zstd"}]},
+    cfg = load_config({"tiers": [{"name": "c", "kind": "cpu", "capacity": "10B", "compression": "none"},
+                                 {"name": "d", "kind": "disk", "capacity": "10B", "path": "/x", "compression": "zstd"}]},
                       env={})
     assert cfg.tiers == (CpuTierConfig("c", 10), DiskTierConfig("d", 10, compression="zstd", path="/x"))
 
 
 # ---- validation errors name the key path ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("yaml_text", "env", "path", "words"), [
+    ("policy: {save_backlog: 256}", {}, "policy.save_backlog", "256 has no unit (did you mean 256MiB or 256GiB? "
+                                                                "256B is bytes)"),
+    ("tiers: [{name: cpu, kind: cpu, capacity: 1073741824}]", {}, "tiers[0].capacity",
+     "1073741824 has no unit (did you mean 1073741824B (1 GiB)?)"),
+    ("policy: {persist_after_idle: 1000}", {}, "policy.persist_after_idle",
+     "1000 has no unit (did you mean 1000ms? 1000s is seconds)"),
+    ("tiers: [{name: r, kind: redis, capacity: 1GiB, url: 'redis://h/0', timeout: 1.5}]", {}, "tiers[0].timeout",
+     "1.5 has no unit (did you mean 1.5s or 1.5ms?)"),
+    ("policy: {}", {"KVTIER_POLICY__PERSIST_MAX_LAG": "2"}, "policy.persist_max_lag", "2 has no unit (did you mean "
+                                                                                     "2s or 2ms?)"),
+    ("policy: {}", {"KVTIER_POLICY__SAVE_BACKLOG": "64"}, "policy.save_backlog", "64 has no unit (did you mean "
+                                                                                 "64MiB or 64GiB? 64B is bytes)"),
+    ("policy: {persist_max_lag: '7'}", {}, "policy.persist_max_lag", "7 has no unit (did you mean 7s or 7ms?)"),
+])
+def test_a_bare_number_for_a_size_or_a_duration_is_refused_with_a_guess(
+        tmp_path: Path, yaml_text: str, env: dict[str, str], path: str, words: str) -> None:
+    """YAML, a quoted YAML number and the environment alike: a number without a unit was read as bytes or seconds
+    without a word (``save_backlog: 256`` was 256 bytes, ``persist_after_idle: 1000`` 1000 s)."""
+    file = tmp_path / "kvtier.yaml"
+    file.write_text(("tiers: [{name: cpu, kind: cpu, capacity: 1GiB}]\n" if "tiers" not in yaml_text else "")
+                    + yaml_text + "\n")
+    err = error_of(file, env=env)
+    assert err.path == path and str(err) == f"{path}: {words}"
+
+
+def test_zero_needs_no_unit_and_units_read_as_written() -> None:
+    cfg = load_config({"tiers": [{"name": "cpu", "kind": "cpu", "capacity": "4096B"}],
+                       "policy": {"persist_after_idle": 0, "persist_max_lag": "0", "persist_at_close": "250ms"}},
+                      env={})
+    assert cfg.tiers[0].capacity == 4096
+    assert (cfg.policy.persist_after_idle, cfg.policy.persist_max_lag, cfg.policy.persist_at_close) == (0, 0, 0.25)
 
 def tier(**fields: Any) -> dict[str, Any]:
     return {"name": "t", "kind": "cpu", "capacity": "1GiB", **fields}
@@ -367,9 +400,9 @@ def test_to_dict_round_trip_of_every_option() -> None:
         "save_partial_chunks": True, "security": {"hmac_key_env": "KVTIER_HMAC_KEY"},
     }, env={})
     plain = cfg.to_dict()
-    assert plain["tiers"][3]["timeout"] == 0.025 and plain["tiers"][3]["ttl"] == 5400.0
+    assert plain["tiers"][3]["timeout"] == "0.025s" and plain["tiers"][3]["ttl"] == "5400.0s"
     assert plain["policy"] == {"eviction": "arc", "write": "write_through", "promote_on_hit": False,
-                               "store_threshold": 2, "save_backlog": 64 << 20, "persist_after_idle": 0.0,
-                               "persist_max_lag": 3.0, "persist_at_close": 0.5}
+                               "store_threshold": 2, "save_backlog": f"{64 << 20}B", "persist_after_idle": "0.0s",
+                               "persist_max_lag": "3.0s", "persist_at_close": "0.5s"}
     again = load_config(yaml.safe_load(yaml.safe_dump(plain)), env={})
     assert again == cfg and isinstance(again, KvtierConfig)

@@ -75,3 +75,21 @@ def test_a_hybrid_model_is_served_only_where_the_engine_keeps_states_at_block_bo
     engine.cache_config.mamba_cache_mode = "align"
     assert state_blocker(read_settings(engine), hybrid) is None
     assert state_blocker(read_settings(None), hybrid) is None  # the reference engine keeps states per block
+
+
+def test_sizes_and_durations_the_engine_gives_as_numbers_warn_and_are_read_as_bytes_and_seconds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's ``--kv-transfer-config`` JSON carries numbers: kept working (bytes, seconds), each one warned of;
+    the same numbers in a YAML file are refused (tests/config/test_config.py)."""
+    from kvtier.connector.tiered import config_from_engine
+
+    extra = {"tiers": [{"name": "cpu", "kind": "cpu", "capacity": 1 << 20}],
+             "policy": {"persist_max_lag": 3, "persist_after_idle": 0, "save_backlog": "64MiB"}}
+    with caplog.at_level("WARNING", logger="kvtier"):
+        cfg = config_from_engine(read_settings(vllm_like(extra)))
+    assert cfg.tiers[0].capacity == 1 << 20 and cfg.policy.persist_max_lag == 3.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvtier: kv_connector_extra_config: policy.persist_max_lag: 3 has no unit: read as seconds (write 3s, or "
+        "another unit)",
+        "kvtier: kv_connector_extra_config: tiers[0].capacity: 1048576 has no unit: read as bytes (write 1048576B, "
+        "or another unit)"]

@@ -54,7 +54,7 @@ def test_llama_second_engine_hits_from_redis(run_engine: EngineRunner, models: C
                                              redis_factory: Any) -> None:
     server = redis_factory()
     config = kvtier_yaml(workdir / "kvtier.yaml",
-                         f"[{{name: redis, kind: redis, capacity: 256MiB, url: '{server.url}', timeout: 1.0}}]")
+                         f"[{{name: redis, kind: redis, capacity: 256MiB, url: '{server.url}', timeout: 1s}}]")
     _, second = save_then_load(run_engine, models("llama"), config)
     out = second["phases"][0][0]
     assert_hit(out, prompts()["A2"], HIT)

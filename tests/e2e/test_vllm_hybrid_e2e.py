@@ -31,7 +31,7 @@ def config_for(tier: str, workdir: Path, redis_factory: Any) -> str:
         return disk_config(workdir, chunk_size=CHUNK)
     server = redis_factory()
     return kvtier_yaml(workdir / "kvtier.yaml",
-                       f"[{{name: redis, kind: redis, capacity: 256MiB, url: '{server.url}', timeout: 1.0}}]",
+                       f"[{{name: redis, kind: redis, capacity: 256MiB, url: '{server.url}', timeout: 1s}}]",
                        chunk_size=CHUNK)
 
 

@@ -65,7 +65,7 @@ def server(models: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     config.write_text(f"chunk_size: {CHUNK}\nserve_without_prefix_caching: true\n"
                       "policy: {persist_after_idle: 0, persist_max_lag: 0}\n"
                       "tiers:\n"
-                      f"  - {{name: cpu, kind: cpu, capacity: {2 * CHUNK_BYTES}}}\n"
+                      f"  - {{name: cpu, kind: cpu, capacity: {2 * CHUNK_BYTES}B}}\n"
                       f"  - {{name: disk, kind: disk, capacity: 64MiB, path: {work / 'disk'}}}\n")
     model, _ = models("llama")
     events_port = free_port()

@@ -63,12 +63,12 @@ def test_check_alone_checks_kvtier_config_else_the_built_in_default(tmp_path: Pa
 
 
 def test_check_warns_of_values_that_can_hardly_be_meant(tmp_path: Path) -> None:
-    """Bare numbers read in seconds or bytes: a Redis timeout of 50 (s), a backlog of 256 (B), a persist lag of
-    5000 (s). Each is one warning naming its key and what was read; the config is still valid (exit 0)."""
+    """Units that are most likely slips: a Redis timeout of 50 s, a backlog of 256 B, a persist lag of 5000 s. Each
+    is one warning naming its key and what was read; the config is still valid (exit 0)."""
     config = tmp_path / "kvtier.yaml"
     config.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity: 64MiB}\n"
-                      "  - {name: redis, kind: redis, capacity: 64MiB, url: 'redis://127.0.0.1:1/0', timeout: 50}\n"
-                      "policy: {save_backlog: 256, persist_max_lag: 5000}\n")
+                      "  - {name: redis, kind: redis, capacity: 64MiB, url: 'redis://127.0.0.1:1/0', timeout: 50s}\n"
+                      "policy: {save_backlog: 256B, persist_max_lag: 5000s}\n")
     proc = run_kvtier("check", str(config))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()

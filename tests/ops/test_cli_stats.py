@@ -28,7 +28,7 @@ def config(tmp_path: Path, redis_url: str | None = None, prefix: str = "kvtier")
              f"  - {{name: disk, kind: disk, capacity: 1GiB, path: '{tmp_path / 'disk'}'}}"]
     if redis_url:
         lines.append(f"  - {{name: redis, kind: redis, capacity: 1GiB, url: '{redis_url}', key_prefix: {prefix}, "
-                     f"connect_timeout: 0.5}}")
+                     f"connect_timeout: 500ms}}")
     path = tmp_path / "kvtier.yaml"
     path.write_text("\n".join(lines) + "\n")
     return str(path)

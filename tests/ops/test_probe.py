@@ -261,7 +261,7 @@ def test_pinned_cpu_tiers_past_ram_fail(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_a_disk_quota_bigger_than_the_free_space_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    rc, rep, err = probe_json(capsys, write_config(tmp_path, disk(tmp_path / "a", capacity=str(free * 2)),
+    rc, rep, err = probe_json(capsys, write_config(tmp_path, disk(tmp_path / "a", capacity=f"{free * 2}B"),
                                                    disk(tmp_path / "b", name="small")))
     assert rc == 0 and err == []
     found = by_path(rep)["tiers[0].capacity + tiers[1].capacity"]  # both tiers share one file system

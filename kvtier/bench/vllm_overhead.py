@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.args import existing_path, key_value, non_negative_float, positive_int
-from kvtier.bench.models import make_llama
 from kvtier.bench.output import add_output_arguments
 from kvtier.bench.vllm_proc import ENV, Engine, serve
+from kvtier.ops.models import make_llama
 
 HELP = "cost of an active kvtier on requests that never hit, in vLLM's CPU engine (ratios to no connector)"
 MODES = ("none", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "kvtier_cpu_disk")

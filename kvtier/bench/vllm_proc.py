@@ -35,7 +35,7 @@ from kvtier.bench.vllm_inproc import (
     scheduler_of,
     worker_connector,
 )
-from kvtier.bench.vllm_server import same_kvtier
+from kvtier.ops.vllm_server import same_kvtier
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

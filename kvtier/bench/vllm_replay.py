@@ -42,9 +42,9 @@ from typing import Any
 
 from kvtier.bench.args import positive_float, positive_int
 from kvtier.bench.hitrate import DEFAULT_TRACE
-from kvtier.bench.models import llama_kv_bytes_per_token, make_llama
 from kvtier.bench.output import add_output_arguments
 from kvtier.bench.vllm_proc import ENV, Engine, serve
+from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 
 HELP = "a real trace through vLLM's CPU engine with too little KV memory: its prefix cache alone vs + kvtier"
 MODES = ("prefix", "prefix_control", "kvtier_cpu", "kvtier_cpu_disk", "kvtier_reuse2")

@@ -216,8 +216,8 @@ def test_report_fails_the_run_when_the_servers_computed_on_different_cores(tmp_p
 
 def test_servers_reserve_the_same_core_with_or_without_a_connector_and_say_where_they_computed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtier.bench import vllm_server
-    from kvtier.bench.vllm_server import Server, ServerSpec, kvtier_transfer, running
+    from kvtier.ops import vllm_server
+    from kvtier.ops.vllm_server import Server, ServerSpec, kvtier_transfer, running
 
     started: list[dict[str, str]] = []
 

@@ -46,7 +46,7 @@ def prompts() -> dict[str, list[int]]:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[str, str]]:
     """``models(kind)`` -> (checkpoint directory, dtype), made once per session."""
-    from kvtier.bench.models import make
+    from kvtier.ops.models import make
 
     root = str(tmp_path_factory.mktemp("models"))
     return lambda kind: make(kind, root)

@@ -30,7 +30,7 @@ import pytest
 from conftest import engine_env
 
 from kvtier.bench.redis_servers import free_port
-from kvtier.bench.vllm_server import Server, ServerSpec, kvtier_transfer, metric, metric_sum, running
+from kvtier.ops.vllm_server import Server, ServerSpec, kvtier_transfer, metric, metric_sum, running
 
 CHUNK, BLOCK = 64, 32
 SHARED = 160  # 5 blocks, 2.5 chunks

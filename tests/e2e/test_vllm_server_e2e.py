@@ -19,7 +19,7 @@ from conftest import engine_env
 
 from kvtier import __version__
 from kvtier.bench.redis_servers import free_port
-from kvtier.bench.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, metric, running
+from kvtier.ops.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, metric, running
 
 CHUNK = 32
 CHUNK_BYTES = 4 * 2 * 2 * 64 * 4 * CHUNK  # tiny Llama: 4 layers, K/V, 2 heads of 64, float32

@@ -1,4 +1,4 @@
-"""The processes a benchmark starts import the kvtier the benchmark imported (kvtier.bench.vllm_server.same_kvtier):
+"""The processes a benchmark starts import the kvtier the benchmark imported (kvtier.ops.vllm_server.same_kvtier):
 never a tree in their working directory, which ``python -m`` and ``python -c`` would put first."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import kvtier
-from kvtier.bench.vllm_server import same_kvtier
+from kvtier.ops.vllm_server import same_kvtier
 
 
 def test_a_child_process_imports_the_kvtier_this_process_imported_not_the_working_directorys(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """A real ``vllm`` OpenAI server (vLLM's CPU build) in its own process, for benchmarks and end-to-end tests: start
 it on a loopback port, send completions of token ids, scrape its ``/metrics``, stop it.
 
-Tiny checkpoints have no tokenizer (kvtier.bench.models): the server runs with ``--skip-tokenizer-init`` and
+Tiny checkpoints have no tokenizer (kvtier.ops.models): the server runs with ``--skip-tokenizer-init`` and
 prompts are lists of token ids; completions return token ids (``return_token_ids``).
 """
 

@@ -223,6 +223,8 @@ def _check(argv: list[str]) -> None:
     elif exe in ("python", ".venv/bin/python", ".venv-e2e/bin/python"):
         if args[:2] == ["-m", "kvtier"]:
             _check_kvtier(args[2:])
+        elif args[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:  # vLLM's CPU build's server
+            _check(["vllm", "serve", *args[2:]])
         else:
             script = ROOT / args[0]
             assert args[0].startswith("benchmarks/") and script.is_file(), f"no {args[0]}"

@@ -1,23 +1,22 @@
 """Clients of ``kvtier bench serve``: streamed completions of token ids against vLLM's OpenAI server, sent in the
 trace's arrival order by a pool of threads (at most ``concurrency`` in flight).
 
-A request's time to first token is the time from sending it to the first streamed chunk that carries a token;
+A request's time to first token is the time from sending it to the first streamed chunk that carries a token
+(kvtier.ops.vllm_server.stream_completion);
 its latency is the time to the end of the stream. Both are measured from the moment it is sent, which can be
 later than its arrival when every client is busy (``queued_s``).
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtier.bench.serve_trace import ServeRequest
+from kvtier.ops.vllm_server import stream_completion
 
 
 @dataclass
@@ -35,47 +34,16 @@ class Reply:
     error: str | None = None
 
 
-def stream_completion(host: str, port: int, model: str, prompt: Sequence[int], max_tokens: int,
-                      timeout_s: float = 600) -> tuple[float, list[int], dict[str, Any]]:
-    """One greedy streamed completion: (seconds from sending to the first token, generated token ids, usage)."""
-    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        start = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        reply = conn.getresponse()
-        if reply.status != 200:
-            raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:300].decode(errors='replace')}")
-        first = 0.0
-        tokens: list[int] = []
-        usage: dict[str, Any] = {}
-        for raw in reply:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            for choice in chunk.get("choices") or []:
-                ids = choice.get("token_ids") or []
-                if ids and not first:
-                    first = time.perf_counter() - start
-                tokens.extend(ids)
-            usage = chunk.get("usage") or usage
-        return first, tokens, usage
-    finally:
-        conn.close()
-
-
 def _ask(host: str, port: int, model: str, request: ServeRequest, index: int, t0: float) -> Reply:
     sent = time.perf_counter() - t0
     try:
-        ttft, tokens, usage = stream_completion(host, port, model, request.prompt, request.max_tokens)
+        got = stream_completion(host, port, model, request.prompt, request.max_tokens)
     except (OSError, RuntimeError, ValueError) as exc:
         return Reply(index, sent, 0.0, time.perf_counter() - t0 - sent, sent - request.arrival_s,
                      len(request.prompt), error=f"{type(exc).__name__}: {exc}")
-    details = usage.get("prompt_tokens_details") or {}
-    return Reply(index, sent, ttft, time.perf_counter() - t0 - sent, max(0.0, sent - request.arrival_s),
-                 len(request.prompt), tokens, details.get("cached_tokens"))
+    details = got.usage.get("prompt_tokens_details") or {}
+    return Reply(index, sent, got.ttft_s, time.perf_counter() - t0 - sent, max(0.0, sent - request.arrival_s),
+                 len(request.prompt), got.tokens, details.get("cached_tokens"))
 
 
 def replay(host: str, port: int, model: str, requests: Sequence[ServeRequest], concurrency: int,

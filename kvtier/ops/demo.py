@@ -1,9 +1,11 @@
-"""kvtier demo: a multi-turn chat workload through the reference engine, without and with kvtier.
+"""kvtier demo: a multi-turn chat workload through the reference engine, without and with kvtier; with
+``--engine vllm``, through vLLM's OpenAI server, alone, with kvtier and restarted (kvtier.ops.demo_vllm).
 
-Runs on the embedded default config (or --config) on any machine: no GPU, no server. The disk tier goes to a
-temporary directory unless --persist (then where the config puts it, or under --persist DIR). Prints where the
-disk tier lives and the overrides applied, then per-tier hit rates, prefill tokens saved and time to first token
-(median, p90) with and without the cache, and checks that both runs generated the same tokens.
+Runs on the embedded default config (or --config) on any machine: no GPU; no server unless --engine vllm. The
+disk tier goes to a temporary directory unless --persist (then where the config puts it, or under --persist DIR).
+Prints where the disk tier lives and the overrides applied, then per-tier hit rates, prefill tokens saved and
+time to first token (median, p90) with and without the cache, and checks that both runs generated the same
+tokens.
 
 Exit code 0 when both runs agree, 1 when they differ, 2 on a bad option, config or disk path.
 """
@@ -39,12 +41,17 @@ if TYPE_CHECKING:
 
 HELP = "a multi-turn chat through the reference engine, without and with kvtier"
 PROG = "kvtier demo"
+P90_NOTE = ("p90 is the first turns and the requests queued behind them: nothing to reuse yet, and with kvtier "
+            "they also save what they compute, so p90 can be worse with the cache while the median is better")
 TIMING_NOTE = ("same --seed, same prompts and generated tokens; hits, tokens saved and times depend on timing "
                "(when background writes land, machine load) and vary run to run")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of kvtier demo."""
+    parser.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                        help="reference: kvtier's in-process engine (default); vllm: vLLM's OpenAI server (vLLM's "
+                             "CPU build in .venv-e2e, or vLLM on a GPU), three servers in turn")
     parser.add_argument("--config", help="kvtier YAML config (default: the embedded default: cpu + disk)")
     parser.add_argument("--users", type=positive_int, default=8, help="concurrent chat users (default 8)")
     parser.add_argument("--turns", type=positive_int, default=4, help="turns per conversation (default 4)")
@@ -58,11 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompts (default 0)")
     parser.add_argument("--memory-capacity", type=positive_size,
-                        help="capacity of the memory tiers (cpu, gpu); default: 1MiB with the embedded config (the "
-                             "tiny model's KV is small: chunks then spill to disk), the file's sizes with --config")
+                        help="capacity of the memory tiers (cpu, gpu); default with the embedded config: 1MiB, "
+                             "16MiB with --engine vllm (smaller than the chats: chunks then spill to disk); the "
+                             "file's sizes with --config")
     parser.add_argument("--persist", nargs="?", const="", default=None, metavar="DIR",
                         help="keep the disk tier: under DIR, or where the config puts it when no DIR is given "
                              "(default: a temporary directory, removed at exit)")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="runs of each mode, taking turns (without, with, with, without, ...), each cached run "
+                             "on an empty cache: the figures are medians with their spread (default 5; the "
+                             "reference engine only)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -82,23 +94,27 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of kvtier demo; exit code 0 when both runs agree, 1 otherwise, 2 on a config error."""
     try:
         with ExitStack() as stack:
-            cfg, applied = _config(args, stack)
+            cfg, applied, root = _config(args, stack)
             check_disk_paths(cfg)
+            if args.engine == "vllm":
+                return _vllm_demo(args, cfg, applied, root)
             return _demo(args, cfg, applied)
     except KvtierError as exc:
         print(f"kvtier: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 
-def _config(args: argparse.Namespace, stack: ExitStack) -> tuple[KvtierConfig, list[str]]:
+def _config(args: argparse.Namespace, stack: ExitStack) -> tuple[KvtierConfig, list[str], str | None]:
     """The config with the demo's chunk size and memory capacity, every disk tier in a temp dir unless
-    --persist (under DIR with --persist DIR); and the overrides applied, in words."""
+    --persist (under DIR with --persist DIR); the overrides applied, in words; and that directory (None: the
+    config's own paths, with --persist alone)."""
     cfg = load_config(args.config, overrides={"chunk_size": args.chunk_size})
     applied = [f"chunk_size {cfg.chunk_size} (--chunk-size)"]
     if cfg.namespace.model != "default":  # records are labelled with the model that ran: the tiny one
         applied.append(f"namespace.model: the reference engine's tiny model, not {cfg.namespace.model!r}")
         cfg = dataclasses.replace(cfg, namespace=dataclasses.replace(cfg.namespace, model="default"))
-    memory = args.memory_capacity if args.memory_capacity is not None else (None if args.config else 1024**2)
+    default = (16 if args.engine == "vllm" else 1) * 1024**2
+    memory = args.memory_capacity if args.memory_capacity is not None else (None if args.config else default)
     if memory is not None:
         tiers = tuple(dataclasses.replace(t, capacity=memory) if t.kind in MEMORY_KINDS else t
                       for t in cfg.tiers)
@@ -112,11 +128,11 @@ def _config(args: argparse.Namespace, stack: ExitStack) -> tuple[KvtierConfig, l
     if env:
         applied.append("environment: " + ", ".join(sorted(env)))
     if args.persist == "":
-        return cfg, applied
+        return cfg, applied, None
     root = args.persist or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-"))
     tiers = tuple(dataclasses.replace(t, path=os.path.join(root, t.name)) if isinstance(t, DiskTierConfig) else t
                   for t in cfg.tiers)
-    return dataclasses.replace(cfg, tiers=tiers), applied
+    return dataclasses.replace(cfg, tiers=tiers), applied, root
 
 
 def check_disk_paths(cfg: KvtierConfig) -> None:
@@ -149,9 +165,23 @@ def _describe(cfg: KvtierConfig, applied: list[str], temporary: bool) -> None:
     print(f"{PROG}: overrides applied: {'; '.join(applied)}", flush=True)
 
 
+def _vllm_demo(args: argparse.Namespace, cfg: KvtierConfig, applied: list[str], root: str | None) -> int:
+    """``--engine vllm``: the model, the servers' logs and vLLM's cache go beside the disk tiers (a temporary
+    directory unless --persist)."""
+    from kvtier.ops.demo_vllm import BLOCK, demo
+
+    if cfg.chunk_size % BLOCK:
+        raise ConfigError("--chunk-size", f"{cfg.chunk_size} is not a multiple of the vLLM demo's block size "
+                          f"({BLOCK} tokens)", f"use {BLOCK} or a multiple")
+    with ExitStack() as stack:
+        work = Path(root or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-vllm-")))
+        _describe(cfg, applied, temporary=args.persist is None)
+        return demo(args, cfg, work)
+
+
 def _demo(args: argparse.Namespace, cfg: KvtierConfig, applied: list[str]) -> int:
     with loading(PROG, "torch"):
-        from kvtier.engine.core import Engine, EngineArgs
+        from kvtier.engine.core import EngineArgs
         from kvtier.engine.model import ModelConfig
         from kvtier.engine.workload import ChatSpec
 
@@ -167,11 +197,40 @@ def _demo(args: argparse.Namespace, cfg: KvtierConfig, applied: list[str]) -> in
           f"({'hybrid, window ' + str(window) if window else 'full attention'}, {model.dtype}), "
           f"chunk {cfg.chunk_size} tokens, tiers: {tiers}, write policy {cfg.policy.write}")
     _describe(cfg, applied, temporary=args.persist is None)
-    base = _phase("without cache", Engine(engine_args), spec, model, args.no_progress)
-    cached = _phase("with kvtier", _cached_engine(engine_args, cfg), spec, model, args.no_progress)
-    same = _same_outputs(base.requests, cached.requests)
-    _report(base, cached, cfg, same)
+    pairs = _pairs(args, engine_args, cfg, spec, model)
+    same = all(_same_outputs(pairs[0][0].requests, r.requests) for pair in pairs for r in pair)
+    _report(pairs, cfg, same)
     return 0 if same else 1
+
+
+def _pairs(args: argparse.Namespace, engine_args: EngineArgs, cfg: KvtierConfig, spec: ChatSpec,
+           model: ModelConfig) -> list[tuple[PhaseResult, PhaseResult]]:
+    """``--repeats`` (without, with) pairs, the order turned every other repeat so that neither mode always runs
+    on a warmer machine; each cached run on empty disk tiers (the first on the config's, the others on temporary
+    ones)."""
+    from kvtier.engine.core import Engine
+
+    memory = sum(t.capacity for t in cfg.tiers if t.kind in MEMORY_KINDS)
+    note(f"{PROG}: each run with kvtier opens the cache tiers ({format_size(memory)} of memory)")
+    pairs = []
+    with ExitStack() as scratch:
+        for repeat in range(args.repeats):
+            run_cfg = cfg if repeat == 0 else _empty_disks(cfg, scratch)
+            of = f" {repeat + 1}/{args.repeats}" if args.repeats > 1 else ""
+            done = {}
+            for cached in (False, True) if repeat % 2 == 0 else (True, False):
+                engine = _cached_engine(engine_args, run_cfg) if cached else Engine(engine_args)
+                title = f"{'with kvtier' if cached else 'without cache'}{of}"
+                done[cached] = _phase(title, engine, spec, model, args.no_progress)
+            pairs.append((done[False], done[True]))
+    return pairs
+
+
+def _empty_disks(cfg: KvtierConfig, scratch: ExitStack) -> KvtierConfig:
+    root = scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-repeat-"))
+    return dataclasses.replace(cfg, tiers=tuple(
+        dataclasses.replace(t, path=os.path.join(root, t.name)) if isinstance(t, DiskTierConfig) else t
+        for t in cfg.tiers))
 
 
 def _check_fit(cfg: KvtierConfig, engine_args: EngineArgs) -> None:
@@ -187,8 +246,6 @@ def _cached_engine(engine_args: EngineArgs, cfg: KvtierConfig) -> Engine:
     """The engine with kvtier; a disk path that fails at start is a ConfigError naming it."""
     from kvtier.engine.core import Engine, KVTierPair
 
-    memory = sum(t.capacity for t in cfg.tiers if t.kind in MEMORY_KINDS)
-    note(f"{PROG}: opening the cache tiers ({format_size(memory)} of memory)...")
     try:
         return Engine(engine_args, KVTierPair(cfg))
     except OSError as exc:
@@ -239,22 +296,39 @@ def _quantiles(values: list[float]) -> tuple[float, float]:
     return statistics.median(values), statistics.quantiles(values, n=10, method="inclusive")[-1]
 
 
-def _report(base: PhaseResult, cached: PhaseResult, cfg: KvtierConfig, same: bool) -> None:
-    prompt = sum(r.num_prompt_tokens for r in cached.requests)
-    saved = sum(r.external_tokens for r in cached.requests)
+def _saved(run: PhaseResult) -> int:
+    return sum(r.external_tokens for r in run.requests)
+
+
+def _report(pairs: list[tuple[PhaseResult, PhaseResult]], cfg: KvtierConfig, same: bool) -> None:
+    """Tokens saved and hits by tier of the median cached run; times to first token over every run, and the
+    median with its range of each pair's ratio; whether every run generated the same tokens."""
+    cached = sorted((pair[1] for pair in pairs), key=_saved)[len(pairs) // 2]
+    prompt, saved = sum(r.num_prompt_tokens for r in cached.requests), _saved(cached)
+    share = 100 * saved / max(prompt, 1)
+    spread = [100 * _saved(c) / max(prompt, 1) for _, c in pairs]
+    runs = f"; median of {len(pairs)} runs, {min(spread):.1f}-{max(spread):.1f}%" if len(pairs) > 1 else ""
+    print(f"\nprefill tokens saved: {saved} of {prompt} prompt tokens ({share:.1f}%{runs})")
     hits = {t.name: float(cached.stats.get(hits_key(t.name), 0)) for t in cfg.tiers}
     total_hits = sum(hits.values()) or 1.0
-    print(f"\nprefill tokens saved: {saved} of {prompt} prompt tokens ({100 * saved / max(prompt, 1):.1f}%)")
     print("hit rate by tier (share of prompt tokens loaded from it):")
     for name, n in hits.items():
-        print(f"  {name:<8} {100 * saved / max(prompt, 1) * n / total_hits:6.1f}%   ({int(n)} chunk loads)")
-    (b50, b90), (c50, c90) = _quantiles(base.ttfts()), _quantiles(cached.ttfts())
-    print("time to first token      median      p90")
+        print(f"  {name:<8} {share * n / total_hits:6.1f}%   ({int(n)} chunk loads)")
+    base_all = [t for b, _ in pairs for t in b.ttfts()]
+    cached_all = [t for _, c in pairs for t in c.ttfts()]
+    (b50, b90), (c50, c90) = _quantiles(base_all), _quantiles(cached_all)
+    ratios = sorted(_quantiles(b.ttfts())[0] / m for b, c in pairs if (m := _quantiles(c.ttfts())[0]))
+    print(f"time to first token      median      p90   (every request of the {len(pairs)} run(s) of each mode)")
     print(f"  without cache       {1000 * b50:8.1f} ms {1000 * b90:8.1f} ms")
-    print(f"  with kvtier         {1000 * c50:8.1f} ms {1000 * c90:8.1f} ms   "
-          f"({b50 / c50 if c50 else 0:.2f}x median)")
-    print(f"wall time: {base.seconds:.1f} s without, {cached.seconds:.1f} s with the cache")
-    generated = sum(len(r.output_token_ids) for r in base.requests)
-    print(f"generated tokens: {generated} (digest {output_digest(base.requests)})")
+    print(f"  with kvtier         {1000 * c50:8.1f} ms {1000 * c90:8.1f} ms")
+    if ratios:
+        print(f"  kvtier's median: {statistics.median(ratios):.2f}x faster, median of {len(ratios)} paired runs "
+              f"({ratios[0]:.2f}-{ratios[-1]:.2f}x)")
+    print(P90_NOTE)
+    print(f"wall time: {sum(b.seconds for b, _ in pairs):.1f} s without, {sum(c.seconds for _, c in pairs):.1f} s "
+          "with the cache")
+    first = pairs[0][0].requests
+    generated = sum(len(r.output_token_ids) for r in first)
+    print(f"generated tokens: {generated} (digest {output_digest(first)})")
     print(f"outputs identical with and without the cache: {'yes' if same else 'NO'}")
     print(TIMING_NOTE)

@@ -1,11 +1,11 @@
-"""Tiny random-weight checkpoints made with transformers (no hub, no tokenizer), for the benchmarks and the tests.
+"""Tiny random-weight checkpoints made with transformers (no hub), for kvtier demo, the benchmarks and the tests.
 
 Each kind is a real architecture vLLM's CPU build runs, a few layers wide enough that greedy outputs depend on
 the prompt: weight matrices ~ N(0, 0.2) drawn from a seeded generator, biases 0, other vectors (norm weights)
 left at their defaults. ``make(kind, root)`` writes ``root/<kind>/`` (config.json, model.safetensors) once and
 returns ``(path, dtype)``: the dtype vLLM's CPU kernels need for that kind. ``make_llama(root, layers, hidden)``
-is the benchmarks' Llama of any size. torch and transformers are imported on first use, so importing this
-module costs nothing.
+is the benchmarks' Llama of any size. A checkpoint has no tokenizer unless :func:`add_tokenizer` writes one beside
+it. torch and transformers are imported on first use, so importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -173,3 +173,26 @@ def make_llama(root: str, layers: int, hidden: int) -> str:
     """The benchmarks' float32 Llama of ``layers`` x ``hidden`` (8192 positions), saved as ``root/llama``."""
     config, model_class = llama(layers, hidden, max_positions=8192)
     return build(config, model_class, os.path.join(root, "llama"))
+
+
+def tokenizer_words(vocab_size: int = VOCAB) -> list[str]:
+    """The words of :func:`add_tokenizer`'s vocabulary (after its 3 special tokens), in id order."""
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    return [a + b for a in syllables for b in syllables][: vocab_size - 3]
+
+
+def add_tokenizer(model_dir: str, vocab_size: int = VOCAB) -> str:
+    """Write a word-level tokenizer of ``vocab_size`` made-up words beside the checkpoint in ``model_dir`` (no hub):
+    ``<pad>``, ``<s>``, ``</s>`` (the ids of ``COMMON``), then two-syllable words; text splits on whitespace, and
+    decoding joins the words with spaces, so a reply's text encodes back to its tokens. Returns ``model_dir``."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", *tokenizer_words(vocab_size)])}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<pad>", model_max_length=1 << 20)
+    fast.save_pretrained(model_dir)
+    return model_dir

@@ -1,15 +1,18 @@
-"""A real ``vllm`` OpenAI server (vLLM's CPU build) in its own process, for benchmarks and end-to-end tests: start
-it on a loopback port, send completions of token ids, scrape its ``/metrics``, stop it.
+"""A real ``vllm`` OpenAI server (vLLM's CPU build) in its own process, for kvtier demo, benchmarks and end-to-end
+tests: start it on a loopback port, send completions, scrape its ``/metrics``, stop it.
 
-Tiny checkpoints have no tokenizer (kvtier.ops.models): the server runs with ``--skip-tokenizer-init`` and
-prompts are lists of token ids; completions return token ids (``return_token_ids``).
+Tiny checkpoints have no tokenizer unless one is added (kvtier.ops.models.add_tokenizer): by default the server
+runs with ``--skip-tokenizer-init`` and prompts are lists of token ids; completions return token ids
+(``return_token_ids``), and the text too where the server has a tokenizer.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -40,7 +43,7 @@ class ServerSpec:
     """How to start one server."""
 
     model: str
-    port: int
+    port: int  # 0: a free one, chosen now
     block_size: int = 32
     max_model_len: int = 2048
     max_num_seqs: int = 8
@@ -50,10 +53,17 @@ class ServerSpec:
     events_endpoint: str | None = None  # ZMQ endpoint vLLM's publisher connects to
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    tokenizer: bool = False  # the checkpoint has one: prompts may be text
+
+    def __post_init__(self) -> None:
+        if self.port == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = int(s.getsockname()[1])
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
+               *(() if self.tokenizer else ("--skip-tokenizer-init",)), "--host", "127.0.0.1", "--port", str(self.port),
                "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len), "--enforce-eager",
                "--dtype", self.dtype, "--seed", "0", "--max-num-seqs", str(self.max_num_seqs),
                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
@@ -81,6 +91,10 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout_s) as reply:
             return list(json.load(reply)["choices"][0]["token_ids"])
 
+    def stream(self, prompt: str | Sequence[int], max_tokens: int, timeout_s: float = 600) -> Streamed:
+        """One greedy streamed completion of ``prompt`` (text or token ids)."""
+        return stream_completion("127.0.0.1", self.spec.port, self.spec.model, prompt, max_tokens, timeout_s)
+
     def metrics(self) -> Samples:
         """Every sample of ``/metrics`` by name and labels (vLLM's engine labels left out)."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -97,6 +111,48 @@ class Server:
         """The CPU cores vLLM bound its worker's threads to, from its log (None when it did not say)."""
         found = CORE_IDS.search(self.log.read_text(errors="replace"))
         return None if found is None else [int(c) for c in found.group(1).split(",") if c.strip()]
+
+
+@dataclass
+class Streamed:
+    """What one streamed completion gave: seconds from sending to the first token, the generated token ids and
+    text, and the usage the server reported last (``prompt_tokens_details`` with ``--enable-prompt-tokens-details``)."""
+
+    ttft_s: float
+    tokens: list[int]
+    text: str
+    usage: dict[str, Any]
+
+
+def stream_completion(host: str, port: int, model: str, prompt: str | Sequence[int], max_tokens: int,
+                      timeout_s: float = 600) -> Streamed:
+    """One greedy streamed completion (``ignore_eos``: always ``max_tokens`` tokens)."""
+    body = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt), "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:300].decode(errors='replace')}")
+        out = Streamed(0.0, [], "", {})
+        for raw in reply:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices") or []:
+                ids = choice.get("token_ids") or []
+                if ids and not out.ttft_s:
+                    out.ttft_s = time.perf_counter() - start
+                out.tokens.extend(ids)
+                out.text += choice.get("text") or ""
+            out.usage = chunk.get("usage") or out.usage
+        return out
+    finally:
+        conn.close()
 
 
 def metric(samples: Samples, name: str, **labels: str) -> float:

@@ -132,3 +132,32 @@ def test_demo_labels_its_records_with_the_model_that_ran(tmp_path: Path, capsys:
         capsys.readouterr().out
     models = {json.loads(p.read_text())["model"] for p in (tmp_path / "d").rglob("manifest.json")}
     assert models and all(m.startswith("kvtier-tiny-") for m in models), models
+
+
+def test_the_modes_take_turns_and_each_cached_run_starts_empty(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The headline is a median over paired runs whose order turns every other repeat (neither mode always runs on
+    a warmer machine), and no cached run inherits another's disk records."""
+    order: list[str] = []
+    disks: list[str] = []
+    phase, cached_engine = demo._phase, demo._cached_engine
+
+    def record(title: str, *rest: object) -> demo.PhaseResult:
+        order.append(title)
+        return phase(title, *rest)  # type: ignore[arg-type]
+
+    def opened(engine_args: object, cfg: demo.KvtierConfig) -> object:
+        disks.append(next(t.path for t in cfg.tiers if isinstance(t, demo.DiskTierConfig)))
+        return cached_engine(engine_args, cfg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(demo, "_phase", record)
+    monkeypatch.setattr(demo, "_cached_engine", opened)
+    assert demo.run(_args("--users", "2", "--turns", "2", "--max-tokens", "3", "--repeats", "3",
+                          "--no-progress")) == 0
+    assert order == ["without cache 1/3", "with kvtier 1/3", "with kvtier 2/3", "without cache 2/3",
+                     "without cache 3/3", "with kvtier 3/3"]
+    assert len(set(disks)) == 3
+    out = capsys.readouterr().out
+    assert re.search(r"kvtier's median: \d+\.\d\dx faster, median of 3 paired runs \(\d+\.\d\d-\d+\.\d\dx\)", out)
+    assert re.search(r"prefill tokens saved: \d+ of \d+ prompt tokens \(\d+\.\d%; median of 3 runs", out)
+    assert demo.P90_NOTE in out

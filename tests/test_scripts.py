@@ -151,8 +151,41 @@ def test_test_sh_without_a_working_vllm_skips_the_integration_tests_and_says_so(
     assert required.returncode == 2 and "error: .venv has no working vLLM" in required.stderr
 
 
+def test_test_sh_without_vllm_034_runs_the_integration_tests_on_033_alone_and_says_so(tmp_path: Path) -> None:
+    repo = _layout(tmp_path, "test.sh")
+    shadow = tmp_path / "shadow"  # a vLLM that imports (and imports nothing, so that this test is quick)
+    (shadow / "vllm").mkdir(parents=True)
+    (shadow / "vllm" / "__init__.py").write_text("")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    python = repo / ".venv" / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{shadow}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    proc = _run(repo, "test.sh", "--check", env={"KVTIER_SKIP_E2E": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "vLLM" in line] == [
+        "test.sh: note: no vLLM 0.34 in .venv/vllm-0.34: the integration tests run on vLLM 0.33 only; 'bash "
+        "scripts/bootstrap.sh --vllm' installs it"]
+    required = _run(repo, "test.sh", "--check", env={"KVTIER_SKIP_E2E": "1", "KVTIER_REQUIRE_ALL": "1"})
+    assert required.returncode == 2
+    assert required.stderr == ("test.sh: error: no vLLM 0.34 in .venv/vllm-0.34: run 'bash scripts/bootstrap.sh "
+                               "--vllm'\n")
+    (repo / ".venv" / "vllm-0.34" / "vllm").mkdir(parents=True)
+    (repo / ".venv" / "vllm-0.34" / "vllm" / "__init__.py").write_text("")
+    proc = _run(repo, "test.sh", "--check", env={"KVTIER_SKIP_E2E": "1", "KVTIER_REQUIRE_ALL": "1"})
+    assert proc.returncode == 0 and "vLLM" not in proc.stderr, proc.stderr
+
+
+def test_bootstrap_puts_vllm_034_where_test_sh_runs_it_from() -> None:
+    bootstrap = (ROOT / "scripts" / "bootstrap.sh").read_text()
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    assert "--no-deps --target .venv/vllm-0.34 'vllm==0.34.0'" in bootstrap
+    assert "PYTHONPATH=.venv/vllm-0.34 \"$PY\" -m pytest tests/integration" in test_sh
+
+
 def _venv_like_ours(repo: Path) -> None:
-    """repo/.venv/bin/python: this test run's interpreter (every test dependency installed)."""
+    """repo/.venv/bin/python: this test run's interpreter (every test dependency installed), and vLLM 0.34 beside."""
+    (repo / ".venv" / "vllm-0.34" / "vllm").mkdir(parents=True)
+    (repo / ".venv" / "vllm-0.34" / "vllm" / "__init__.py").write_text("")
     (repo / ".venv" / "bin").mkdir(parents=True)
     python = repo / ".venv" / "bin" / "python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')

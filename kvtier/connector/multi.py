@@ -288,6 +288,11 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
                 result = (tokens, load_async)
         return result
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether a child's hit of ``request`` may load asynchronously (a child without the hook: no)."""
+        return any(bool(getattr(child, "may_load_async", lambda _request: False)(request))
+                   for child in self._connectors)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         chosen = self._requests_to_connector.get(request.request_id, -1)
         for i, child in enumerate(self._connectors):

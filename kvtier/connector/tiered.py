@@ -272,6 +272,10 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether a hit of ``request`` may load asynchronously (a cheap guess, asking no server)."""
+        return self._sched().may_load_async(request)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 

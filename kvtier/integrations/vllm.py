@@ -236,6 +236,13 @@ class KVTierConnector(TieredConnector, KVConnectorBase_V1, VllmSupportsHMA):  # 
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
 
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.34): kvtier keys its chunks from the prompt's tokens itself, never from vLLM's block
+        hashes, so lookahead hashing would change nothing kvtier stores or finds; opting in would only change
+        vLLM's own hashes for EAGLE/MTP."""
+        return False
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """kvtier's results as vLLM's type; with several KV-cache groups a failed load is reported per request
         (``failed_recving``): vLLM refuses block-level errors for such models."""
@@ -295,6 +302,12 @@ class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):
     def supports_divergent_local_hybrid_hits(self) -> bool:
         children = self.sub_connectors
         return bool(children) and all(c.supports_divergent_local_hybrid_hits for c in children)
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.34): lookahead hashing changes the block hashes every child would see; kvtier's children
+        key chunks from tokens and need none."""
+        return False
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -366,6 +379,19 @@ class KVTierMultiConnector(MultiConnector, KVConnectorBase_V1, VllmSupportsHMA):
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         children = _child_transfer_configs(kv_transfer_config)
         return bool(children) and all(_child_class(c).supports_sleep_mode(c) for c in children)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: how the children's workers reach the KV cache, every child's needs together (vLLM allocates
+        it once for all of them); a child written before the hook reaches it in process."""
+        from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined, unused-ignore]  # 0.34
+
+        access = KVCacheAccess.IN_PROCESS
+        for child in _child_transfer_configs(kv_transfer_config):
+            hook = getattr(_child_class(child), "kv_cache_access", None)
+            if hook is not None:
+                access |= hook(child)
+        return access
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:

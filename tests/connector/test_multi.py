@@ -276,3 +276,20 @@ def test_a_later_miss_clears_the_loading_child(tmp_path: Path) -> None:
     assert sched.loading_connector("r") is None
     sched.update_state_after_alloc(req, blocks_for(1), 0)
     assert a.calls[-1] == ("update_state_after_alloc", "r", ([],), 0)
+
+
+def test_may_load_async_is_any_childs_and_no_for_a_child_without_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.34's ``may_load_async``: the chain may load a request asynchronously when a child may; children
+    written before the hook existed never say so."""
+    multi = create_connector(multi_config(child("NewConnector"), child("LegacyConnector")), KVConnectorRole.SCHEDULER,
+                             KCC)
+    assert not any(hasattr(c, "may_load_async") for c in multi.sub_connectors)
+    assert multi.may_load_async(Request("r", PROMPT)) is False
+    asked: list[str] = []
+
+    def may(request: Request) -> bool:
+        asked.append(request.request_id)
+        return True
+
+    monkeypatch.setattr(multi.sub_connectors[1], "may_load_async", may, raising=False)
+    assert multi.may_load_async(Request("r", PROMPT)) is True and asked == ["r"]

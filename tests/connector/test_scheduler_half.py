@@ -140,3 +140,42 @@ def test_shared_redis_tier_hits_asynchronously_and_a_dead_one_is_a_quick_miss(ha
         t0 = time.perf_counter()
         assert h.conn.get_num_new_matched_tokens(Request("s", TOKENS), 0) == (C, False)
         assert time.perf_counter() - t0 < 2.0
+
+
+def test_may_load_async_answers_from_the_local_tiers_as_the_lookup_would(harness: Build) -> None:
+    """vLLM 0.34 asks ``may_load_async`` whenever a request enters a waiting queue, to start asynchronous loads
+    while the batch is full: yes where the lookup's load would be asynchronous (a chunk on disk; several groups),
+    no where it would load from memory or find nothing, without asking any server."""
+    h = harness(KVCacheConfig((FULL,)))
+    assert not h.conn.may_load_async(Request("nothing", TOKENS))
+    h.place(TOKENS, 0, [0, 1])
+    assert not h.conn.may_load_async(Request("cpu", TOKENS))
+    assert h.conn.get_num_new_matched_tokens(Request("cpu", TOKENS), 0) == (2 * C, False)
+    h.place(TOKENS, 0, [2], tier="disk")
+    assert h.conn.may_load_async(Request("disk", TOKENS))
+    assert h.conn.get_num_new_matched_tokens(Request("disk", TOKENS), 0) == (3 * C, True)
+    assert not h.conn.may_load_async(Request("short", TOKENS[:C - 1]))  # not a chunk long: never a hit
+    hybrid = harness(KVCacheConfig((FULL, SWA)))
+    assert not hybrid.conn.may_load_async(Request("h0", TOKENS))
+    hybrid.place(TOKENS, 1, [0])
+    assert hybrid.conn.may_load_async(Request("h1", TOKENS))  # several groups: every load is asynchronous
+
+
+def test_may_load_async_says_yes_with_a_shared_tier_without_asking_it(harness: Build,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.tiers.redis.tier import RedisTier
+
+    asked: list[int] = []
+
+    async def contains(self: RedisTier, keys: list[bytes]) -> list[bool]:
+        asked.append(len(keys))
+        return [False] * len(keys)
+
+    with RedisServer() as server:
+        cfg = KvtierConfig(chunk_size=C, tiers=(CpuTierConfig("cpu", 1 << 20),
+                                                RedisTierConfig("redis", 1 << 22, url=server.url)),
+                           policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_THROUGH))
+        h = harness(KVCacheConfig((FULL,)), cfg=cfg)
+        monkeypatch.setattr(RedisTier, "contains", contains)
+        assert h.conn.may_load_async(Request("r", TOKENS)) and asked == []
+        assert h.conn.get_num_new_matched_tokens(Request("r", TOKENS), 0) == (0, False) and asked  # the lookup asks

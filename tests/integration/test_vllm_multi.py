@@ -238,6 +238,9 @@ def test_worker_metadata_reaches_its_own_child(kit: Any, make_vllm_config: Any, 
         assert KVTierMultiConnector.requires_piecewise_for_cudagraph(
             cfg.kv_transfer_config.kv_connector_extra_config) is False
         assert worker.get_mem_pool_context() is None
+        assert KVTierMultiConnector.supports_lookahead_block_hashes(cfg.kv_transfer_config) is False
+        if hasattr(KVConnectorBase_V1, "kv_cache_access"):  # vLLM 0.34: no child registers the KV cache
+            assert KVTierMultiConnector.kv_cache_access(cfg.kv_transfer_config) == 0
     finally:
         worker.shutdown()
         sched.shutdown()

@@ -11,6 +11,7 @@ the paged CPU tensors of the tokens computed this step, and the result goes back
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvtier.connector.plans import KVTierMetadata
 from kvtier.integrations.vllm import KVTierConnector
+
+RUNNER_HAS_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}  # vLLM 0.33
 
 PREFIX = [(7 * i) % 900 + 1 for i in range(64)]  # 4 chunks of 16 tokens
 TIERS = {
@@ -82,9 +85,9 @@ class Engine:
         output = KVConnectorOutput(finished_sending=results.finished_sending or None,
                                    finished_recving=results.finished_recving or None, invalid_block_ids=errors,
                                    kv_connector_stats=stats, kv_connector_worker_meta=report)
+        index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if RUNNER_HAS_INDEX else {}  # gone in 0.34
         self.scheduler.update_from_output(so, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[5] for _ in ids],
-            kv_connector_output=output))
+            req_ids=ids, sampled_token_ids=[[5] for _ in ids], kv_connector_output=output, **index))
         return so
 
     def after_load(self, so: Any) -> None:
@@ -348,3 +351,40 @@ def test_a_request_hits_the_prefix_of_one_still_decoding(tier: str, kit: Any, ma
         assert pool.get_num_free_blocks() == kcc.num_blocks - 1  # no leaked blocks
     finally:
         engine.close()
+
+
+def test_the_connector_hooks_vllm_034_added(kit: Any, make_vllm_config: Any, kvtier_config_file: Any,
+                                            tmp_path: Any) -> None:
+    """vLLM 0.34 asks ``may_load_async`` (yes for a prefix on disk, no for one nowhere) and
+    ``supports_lookahead_block_hashes`` (no: kvtier keys chunks from tokens, so its hit is the same whatever block
+    hashes vLLM gives the request, none, plain or with lookahead tokens); on 0.33, where vLLM never asks, the
+    answers are the same."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    tiers = TIERS["disk"] % (tmp_path / "kv")
+    kcc = kit.planned_kv_cache_config(hybrid=False)
+    first = Engine(make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers))), kcc, kit)
+    try:
+        first.add("r1", PREFIX)
+        list(first.run())
+    finally:
+        first.close()
+    cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers)))
+    assert KVTierConnector.supports_lookahead_block_hashes(cfg.kv_transfer_config) is False
+    second = Engine(cfg, kcc, kit)
+    try:
+        connector = second.scheduler.connector
+        init_none_hash(sha256)
+        hashers = [None, get_request_block_hasher(kit.BLOCK_SIZE, sha256),
+                   get_request_block_hasher(kit.BLOCK_SIZE, sha256, num_hash_lookahead_tokens=5)]
+        prompt = [*PREFIX, 3, 1, 4]
+        requests = [Request(f"h{i}", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+                    for i, hasher in enumerate(hashers)]
+        assert len({tuple(r.block_hashes) for r in requests}) >= 2  # vLLM's hashes differ...
+        assert {connector.get_num_new_matched_tokens(r, 0) for r in requests} == {(len(PREFIX), True)}  # ...not kvtier's
+        assert all(connector.may_load_async(r) for r in requests)
+        elsewhere = Request("new", [(5 * i) % 900 + 2 for i in range(64)], SamplingParams(max_tokens=1), None)
+        assert connector.may_load_async(elsewhere) is False
+    finally:
+        second.close()

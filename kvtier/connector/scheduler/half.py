@@ -146,6 +146,27 @@ class SchedulerHalf:
         self._hits[request.request_id] = Hit(chunks, num_computed_tokens, locations, is_async)
         return chunks * size - num_computed_tokens, is_async
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether a hit of ``request`` may load asynchronously, from what this process knows without asking a
+        server (vLLM 0.34 asks whenever a request enters a waiting queue, and starts such loads while the running
+        batch is full): a chunk of it in a slow local tier (disk) or being written, or, with several KV-cache
+        groups (whose loads are all asynchronous), in any local tier. With a shared tier (Redis) placed, yes for
+        every request a chunk long: asking the server is no cheap call, and a false yes only holds other
+        asynchronous loads back until a slot frees."""
+        if self.disabled or self._never_hits or self.paused:
+            return False
+        state = self._state(request.request_id, request)
+        if state.opaque:
+            return False
+        all_keys = self._keys(state, hit_limit(len(tokens_of(request)), self.cfg.chunk_size))
+        if not all_keys or not min(len(k) for k in all_keys):
+            return False
+        if any(self.directory.is_shared(n) for names in self._placement for n in names):
+            return True
+        located = [self._locator.locate(g, keys, shared_tiers=False) for g, keys in enumerate(all_keys)]
+        return any((self._several_groups and tier is not None) or self._kinds.get(tier or "") in SLOW_KINDS
+                   or i in loc.writing for loc in located for i, tier in enumerate(loc.tiers))
+
     # ---- load plans ------------------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the hit found by the last lookup into the request's allocated blocks."""
@@ -240,13 +261,14 @@ class SchedulerHalf:
             state.block_ids = [list(ids) for ids in new.block_ids]
             self._plan_saves(new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())  # vLLM 0.34 re-sends a resumed request as a new one
         for i, req_id in enumerate(cached.req_ids):
             known = self._requests.get(req_id)
             if known is None:
                 continue
             state = known
             new_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
-            if req_id in cached.resumed_req_ids and new_ids is not None:
+            if req_id in resumed and new_ids is not None:
                 state.block_ids = [list(ids) for ids in new_ids]
             elif new_ids is not None:
                 for g, ids in enumerate(new_ids):

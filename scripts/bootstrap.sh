@@ -34,7 +34,8 @@ done
 TORCH_INDEX=${KVTIER_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 if [ "${KVTIER_TORCH:-cpu}" = cuda ]; then
   TORCH_SOURCE=pypi TORCH_ARGS=()
-elif "$PY" -m pip install --dry-run -q --ignore-installed --no-index --no-deps 'torch==2.13.0+cpu' >/dev/null 2>&1; then
+elif "$PY" -m pip install --dry-run --report /dev/null -q --ignore-installed --no-index --no-deps \
+    'torch==2.13.0+cpu' >/dev/null 2>&1; then  # --report: a dry run that an externally managed Python allows
   TORCH_SOURCE=local TORCH_ARGS=()  # a CPU wheel on pip's find-links (the CI machines)
 else
   TORCH_SOURCE=index TORCH_ARGS=(--extra-index-url "$TORCH_INDEX")

@@ -179,7 +179,7 @@ def test_bootstrap_puts_vllm_034_where_test_sh_runs_it_from() -> None:
     bootstrap = (ROOT / "scripts" / "bootstrap.sh").read_text()
     test_sh = (ROOT / "scripts" / "test.sh").read_text()
     assert "--no-deps --target .venv/vllm-0.34 'vllm==0.34.0'" in bootstrap
-    assert "PYTHONPATH=.venv/vllm-0.34 \"$PY\" -m pytest tests/integration" in test_sh
+    assert 'PYTHONPATH="$PWD/.venv/vllm-0.34${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/integration' in test_sh
 
 
 def _venv_like_ours(repo: Path) -> None:

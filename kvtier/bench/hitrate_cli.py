@@ -120,6 +120,8 @@ def spec_from(args: argparse.Namespace, workload: Workload) -> SweepSpec:
             default = "10%" if getattr(args, "quick", False) else "5,10,20,40%"
             caps = parse_capacities(args.capacity or args.sweep or default, unique, chunk_bytes)
         tiers = tuple(tuple(parse_capacities(t, unique, chunk_bytes)) for t in args.tiers)
+    except ConfigError:
+        raise
     except ValueError as exc:
         raise ConfigError("--capacity", str(exc)) from None
     return SweepSpec(policies, tuple(caps), tiers, belady=not args.no_belady)

@@ -105,8 +105,12 @@ def _bare(value: Any) -> str | None:
     """The text of a number written without a unit (``"256"``, a ``KVTIER_*`` variable's ``1.5``), else None. A
     number from Python code (a mapping given to ``load_config``) is taken as bytes or seconds: it was not written
     as text (a YAML file's numbers are turned into their text first: ``kvtier.config.written_numbers``)."""
-    text = value.raw if isinstance(value, EnvScalar) else value
-    if isinstance(text, str) and re.fullmatch(r"\d+(\.\d*)?|\.\d+", text := text.strip()):
+    if isinstance(value, EnvScalar):  # any YAML number form (+256, 1_000, 0x100, 1e9) counts
+        parsed = value.parsed
+        if isinstance(parsed, int | float) and not isinstance(parsed, bool):
+            return str(parsed)
+        value = value.raw
+    if isinstance(value, str) and re.fullmatch(r"\d+(\.\d*)?|\.\d+", text := value.strip()):
         return text
     return None
 
@@ -118,8 +122,10 @@ def refuse_bare_size(value: Any, path: str) -> None:
     if bare is None:
         return
     n = float(bare)
-    guess = (f"{bare}B ({format_size(int(n))})?" if n >= 1 << 20 and n.is_integer()
-             else f"{bare}MiB or {bare}GiB? {bare}B is bytes")
+    if n >= 1 << 20 and n.is_integer():
+        guess = f"{bare}B ({format_size(int(n))})?"
+    else:
+        guess = f"{bare}MiB or {bare}GiB?" + (f" {bare}B is bytes" if n.is_integer() else "")
     raise ConfigError(path, f"{bare} has no unit", f"did you mean {guess}")
 
 

@@ -20,6 +20,7 @@ vLLM cannot run.
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib.util
 import os
 import random
@@ -136,15 +137,21 @@ def talk(server: Server, system: str, messages: list[list[str]], max_tokens: int
     return sorted(answers, key=lambda a: (a.user, a.turn))
 
 
+def _counted(samples: Samples) -> Samples:
+    return {k: v for k, v in samples.items()
+            if k[0] in ("vllm:prompt_tokens_by_source_total", "kvtier_hit_tokens_total")}
+
+
 def settled(server: Server, timeout_s: float = 10.0) -> Samples:
-    """``/metrics`` once two scrapes half a second apart agree (vLLM publishes its counters after each step)."""
+    """``/metrics`` once two scrapes half a second apart agree on the counts the demo reads (vLLM publishes its
+    counters after each step; the process's own gauges change all the time)."""
     last = server.metrics()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
         now = server.metrics()
-        if now == last:
-            break
+        if _counted(now) == _counted(last):
+            return now
         last = now
     return last
 
@@ -160,8 +167,9 @@ def one_run(title: str, spec: ServerSpec, log: Path, system: str, messages: list
             note(f"{PROG}: [{title}] chatting...")
             answers = talk(server, system, messages, max_tokens)
             after = settled(server)
-    except RuntimeError as exc:
-        raise KvtierError(f"[{title}] {str(exc).splitlines()[0]} {_cause(log)} (the server's log: {log})") from None
+    except (RuntimeError, OSError, http.client.HTTPException) as exc:  # did not start, or went away
+        raise KvtierError(f"[{title}] {str(exc).splitlines()[0] if str(exc) else type(exc).__name__} {_cause(log)} "
+                          f"(the server's log: {log})") from None
     tokens = {source: metric(after, "vllm:prompt_tokens_by_source_total", source=source)
               - metric(before, "vllm:prompt_tokens_by_source_total", source=source) for source in SOURCES}
     tiers = {dict(labels).get("tier", "?"): 0.0 for name, labels in after if name == "kvtier_hit_tokens_total"}

@@ -242,6 +242,11 @@ def test_tier_kinds_and_compression() -> None:
     ("policy: {}", {"KVTIER_POLICY__SAVE_BACKLOG": "64"}, "policy.save_backlog", "64 has no unit (did you mean "
                                                                                  "64MiB or 64GiB? 64B is bytes)"),
     ("policy: {persist_max_lag: '7'}", {}, "policy.persist_max_lag", "7 has no unit (did you mean 7s or 7ms?)"),
+    ("policy: {}", {"KVTIER_POLICY__SAVE_BACKLOG": "0x100"}, "policy.save_backlog",
+     "256 has no unit (did you mean 256MiB or 256GiB? 256B is bytes)"),  # a YAML hex number
+    ("policy: {}", {"KVTIER_POLICY__PERSIST_MAX_LAG": "+2"}, "policy.persist_max_lag",
+     "2 has no unit (did you mean 2s or 2ms?)"),
+    ("policy: {save_backlog: 1.5}", {}, "policy.save_backlog", "1.5 has no unit (did you mean 1.5MiB or 1.5GiB?)"),
 ])
 def test_a_bare_number_for_a_size_or_a_duration_is_refused_with_a_guess(
         tmp_path: Path, yaml_text: str, env: dict[str, str], path: str, words: str) -> None:

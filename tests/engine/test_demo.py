@@ -158,6 +158,14 @@ def test_the_modes_take_turns_and_each_cached_run_starts_empty(monkeypatch: pyte
                      "without cache 3/3", "with kvtier 3/3"]
     assert len(set(disks)) == 3
     out = capsys.readouterr().out
-    assert re.search(r"kvtier's median: \d+\.\d\dx faster, median of 3 paired runs \(\d+\.\d\d-\d+\.\d\dx\)", out)
+    assert re.search(r"kvtier's median: \d+\.\d\dx the speed without cache, median of 3 paired runs \(\d+\.\d\d-\d+\.\d\dx\)", out)
     assert re.search(r"prefill tokens saved: \d+ of \d+ prompt tokens \(\d+\.\d%; median of 3 runs", out)
     assert demo.P90_NOTE in out
+
+
+def test_persist_runs_once_so_that_its_kept_cache_is_the_one_reported(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.run(_args("--users", "2", "--turns", "2", "--max-tokens", "3", "--persist", str(tmp_path),
+                          "--no-progress")) == 0
+    out = capsys.readouterr().out
+    assert "median of 1 paired runs" in out and "median of 1 runs" not in out

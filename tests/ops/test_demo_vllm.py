@@ -122,6 +122,16 @@ def test_where_vllm_cannot_serve_the_demo_says_so_in_one_line(tmp_path: Path) ->
     assert not (tmp_path / "model").exists()
 
 
+def test_a_config_without_a_disk_tier_is_refused_before_any_server_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "cpu.yaml"
+    config.write_text("tiers: [{name: cpu, kind: cpu, capacity: 16MiB}]\n")
+    assert demo.run(_args("--config", str(config), "--no-progress")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: tiers: the vLLM demo restarts the server and loads from disk") and \
+        len(err.splitlines()) == 1
+
+
 def test_a_chunk_size_the_servers_cannot_use_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.run(_args("--chunk-size", "48", "--no-progress")) == 2
     assert "--chunk-size: 48 is not a multiple of the vLLM demo's block size (32 tokens)" in capsys.readouterr().err

@@ -126,21 +126,27 @@ def test_test_sh_names_what_the_venv_lacks_before_pytest(tmp_path: Path) -> None
     assert proc.stderr == "test.sh: error: .venv lacks pytest, ruff, mypy, importlinter, torch, redis: run 'bash scripts/bootstrap.sh'\n"
 
 
-def _broken_vllm_venv(repo: Path, tmp_path: Path) -> None:
-    """repo/.venv/bin/python: this run's interpreter, with a vLLM first on its path that fails to import (what pip
-    install --no-deps vllm leaves: the package, not what it imports)."""
-    shadow = tmp_path / "shadow"
-    (shadow / "vllm").mkdir(parents=True)
-    (shadow / "vllm" / "__init__.py").write_text("import cbor2_not_installed\n")
-    (repo / ".venv" / "bin").mkdir(parents=True)
+def _fake_venv(repo: Path, vllm: str | None = None, *, vllm_034: bool = False) -> None:
+    """repo/.venv/bin/python: this run's interpreter (every test dependency installed); with ``vllm``, a package
+    vllm whose __init__ is that text first on its path; with ``vllm_034``, an empty vLLM 0.34 in .venv/vllm-0.34."""
+    prefix = ""
+    if vllm is not None:
+        shadow = repo.parent / "shadow"
+        (shadow / "vllm").mkdir(parents=True)
+        (shadow / "vllm" / "__init__.py").write_text(vllm)
+        prefix = f'PYTHONPATH="{shadow}" '
+    if vllm_034:
+        (repo / ".venv" / "vllm-0.34" / "vllm").mkdir(parents=True)
+        (repo / ".venv" / "vllm-0.34" / "vllm" / "__init__.py").write_text("")
+    (repo / ".venv" / "bin").mkdir(parents=True, exist_ok=True)
     python = repo / ".venv" / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="{shadow}" exec "{sys.executable}" "$@"\n')
+    python.write_text(f'#!/bin/sh\n{prefix}exec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
 
 
 def test_test_sh_without_a_working_vllm_skips_the_integration_tests_and_says_so(tmp_path: Path) -> None:
     repo = _layout(tmp_path, "test.sh")
-    _broken_vllm_venv(repo, tmp_path)
+    _fake_venv(repo, "import cbor2_not_installed\n")  # what pip install --no-deps vllm leaves
     proc = _run(repo, "test.sh", "--check", env={"KVTIER_SKIP_E2E": "1"})
     assert proc.returncode == 0, proc.stderr
     notes = [line for line in proc.stderr.splitlines() if "vLLM" in line]
@@ -153,13 +159,7 @@ def test_test_sh_without_a_working_vllm_skips_the_integration_tests_and_says_so(
 
 def test_test_sh_without_vllm_034_runs_the_integration_tests_on_033_alone_and_says_so(tmp_path: Path) -> None:
     repo = _layout(tmp_path, "test.sh")
-    shadow = tmp_path / "shadow"  # a vLLM that imports (and imports nothing, so that this test is quick)
-    (shadow / "vllm").mkdir(parents=True)
-    (shadow / "vllm" / "__init__.py").write_text("")
-    (repo / ".venv" / "bin").mkdir(parents=True)
-    python = repo / ".venv" / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="{shadow}" exec "{sys.executable}" "$@"\n')
-    python.chmod(0o755)
+    _fake_venv(repo, "")  # a vLLM that imports (and imports nothing, so that this test is quick)
     proc = _run(repo, "test.sh", "--check", env={"KVTIER_SKIP_E2E": "1"})
     assert proc.returncode == 0, proc.stderr
     assert [line for line in proc.stderr.splitlines() if "vLLM" in line] == [
@@ -182,20 +182,10 @@ def test_bootstrap_puts_vllm_034_where_test_sh_runs_it_from() -> None:
     assert 'PYTHONPATH="$PWD/.venv/vllm-0.34${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/integration' in test_sh
 
 
-def _venv_like_ours(repo: Path) -> None:
-    """repo/.venv/bin/python: this test run's interpreter (every test dependency installed), and vLLM 0.34 beside."""
-    (repo / ".venv" / "vllm-0.34" / "vllm").mkdir(parents=True)
-    (repo / ".venv" / "vllm-0.34" / "vllm" / "__init__.py").write_text("")
-    (repo / ".venv" / "bin").mkdir(parents=True)
-    python = repo / ".venv" / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    python.chmod(0o755)
-
-
 @pytest.mark.slow  # imports vllm: seconds, up to a minute on a busy machine
 def test_test_sh_check_with_everything_installed(tmp_path: Path) -> None:
     repo = _layout(tmp_path, "test.sh")
-    _venv_like_ours(repo)
+    _fake_venv(repo, vllm_034=True)
     bin_dir = tmp_path / "bin"  # a PATH with what test.sh uses, and no redis-server
     bin_dir.mkdir()
     for tool in ("dirname", "sh"):

@@ -131,9 +131,14 @@ def _config(args: argparse.Namespace, stack: ExitStack) -> tuple[KvtierConfig, l
     if args.persist == "":
         return cfg, applied, None
     root = args.persist or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-"))
-    tiers = tuple(dataclasses.replace(t, path=os.path.join(root, t.name)) if isinstance(t, DiskTierConfig) else t
-                  for t in cfg.tiers)
-    return dataclasses.replace(cfg, tiers=tiers), applied, root
+    return _disks_under(cfg, root), applied, root
+
+
+def _disks_under(cfg: KvtierConfig, root: str) -> KvtierConfig:
+    """``cfg`` with each disk tier's directory at ``root``/its name."""
+    return dataclasses.replace(cfg, tiers=tuple(
+        dataclasses.replace(t, path=os.path.join(root, t.name)) if isinstance(t, DiskTierConfig) else t
+        for t in cfg.tiers))
 
 
 def check_disk_paths(cfg: KvtierConfig) -> None:
@@ -220,7 +225,8 @@ def _pairs(args: argparse.Namespace, engine_args: EngineArgs, cfg: KvtierConfig,
     repeats = args.repeats or (1 if args.persist is not None else 5)
     with ExitStack() as scratch:
         for repeat in range(repeats):
-            run_cfg = cfg if repeat == 0 else _empty_disks(cfg, scratch)
+            run_cfg = cfg if repeat == 0 else _disks_under(
+                cfg, scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-repeat-")))
             of = f" {repeat + 1}/{repeats}" if repeats > 1 else ""
             done = {}
             for cached in (False, True) if repeat % 2 == 0 else (True, False):
@@ -229,13 +235,6 @@ def _pairs(args: argparse.Namespace, engine_args: EngineArgs, cfg: KvtierConfig,
                 done[cached] = _phase(title, engine, spec, model, args.no_progress)
             pairs.append((done[False], done[True]))
     return pairs
-
-
-def _empty_disks(cfg: KvtierConfig, scratch: ExitStack) -> KvtierConfig:
-    root = scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-repeat-"))
-    return dataclasses.replace(cfg, tiers=tuple(
-        dataclasses.replace(t, path=os.path.join(root, t.name)) if isinstance(t, DiskTierConfig) else t
-        for t in cfg.tiers))
 
 
 def _check_fit(cfg: KvtierConfig, engine_args: EngineArgs) -> None:

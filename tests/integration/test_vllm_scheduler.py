@@ -281,18 +281,24 @@ def test_an_engine_that_cannot_prefill_after_a_cached_prefix_gets_no_hits_and_sa
         engine.close()
 
 
-def test_with_the_engines_prefix_cache_on_a_new_engine_hits_from_kvtier(
-        kit: Any, make_vllm_config: Any, kvtier_config_file: Any, tmp_path: Any) -> None:
-    """The deployed setting: vLLM's prefix cache on. A second engine (a new Scheduler, its own cache empty) gets
-    the first one's prefix from kvtier's disk tier."""
-    tiers = TIERS["disk"] % (tmp_path / "kv")
-    kcc = kit.planned_kv_cache_config(hybrid=True)
+def _first_engine_saves_the_prefix(kit: Any, make_vllm_config: Any, kvtier_config_file: Any, tiers: str,
+                                   kcc: Any) -> None:
+    """An engine with kvtier on ``tiers`` computes PREFIX and stops (its saves land in the tiers)."""
     first = Engine(make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers))), kcc, kit)
     try:
         first.add("r1", PREFIX)
         list(first.run())
     finally:
         first.close()
+
+
+def test_with_the_engines_prefix_cache_on_a_new_engine_hits_from_kvtier(
+        kit: Any, make_vllm_config: Any, kvtier_config_file: Any, tmp_path: Any) -> None:
+    """The deployed setting: vLLM's prefix cache on. A second engine (a new Scheduler, its own cache empty) gets
+    the first one's prefix from kvtier's disk tier."""
+    tiers = TIERS["disk"] % (tmp_path / "kv")
+    kcc = kit.planned_kv_cache_config(hybrid=True)
+    _first_engine_saves_the_prefix(kit, make_vllm_config, kvtier_config_file, tiers, kcc)
     second = Engine(make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers))), kcc, kit)
     try:
         second.add("r2", [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6])
@@ -364,12 +370,7 @@ def test_the_connector_hooks_vllm_034_added(kit: Any, make_vllm_config: Any, kvt
 
     tiers = TIERS["disk"] % (tmp_path / "kv")
     kcc = kit.planned_kv_cache_config(hybrid=False)
-    first = Engine(make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers))), kcc, kit)
-    try:
-        first.add("r1", PREFIX)
-        list(first.run())
-    finally:
-        first.close()
+    _first_engine_saves_the_prefix(kit, make_vllm_config, kvtier_config_file, tiers, kcc)
     cfg = make_vllm_config(kit.kvtier_transfer(kvtier_config_file(tiers=tiers)))
     assert KVTierConnector.supports_lookahead_block_hashes(cfg.kv_transfer_config) is False
     second = Engine(cfg, kcc, kit)

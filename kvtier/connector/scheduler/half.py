@@ -162,8 +162,8 @@ class SchedulerHalf:
         if not all_keys or not min(len(k) for k in all_keys):
             return False
         if any(self.directory.is_shared(n) for names in self._placement for n in names):
-            return True
-        located = [self._locator.locate(g, keys, shared_tiers=False) for g, keys in enumerate(all_keys)]
+            return True  # so locate below asks no server
+        located = [self._locator.locate(g, keys) for g, keys in enumerate(all_keys)]
         return any((self._several_groups and tier is not None) or self._kinds.get(tier or "") in SLOW_KINDS
                    or i in loc.writing for loc in located for i, tier in enumerate(loc.tiers))
 

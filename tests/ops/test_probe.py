@@ -17,7 +17,7 @@ from kvtier.bench.redis_servers import RedisClusterServers, TlsFiles, free_port
 from kvtier.ops import cli, probe
 from kvtier.ops.probe import FAIL, OK, WARN, meminfo, probe_disk
 
-SHAPE = "layers=1,kv_heads=1,head_size=8,dtype=bfloat16"  # 512-byte chunks: tiny tiers are valid
+SHAPE = "layers=1,kv_heads=1,head_size=8,dtype=bfloat16,block_size=16"  # 512-byte chunks: tiny tiers are valid
 
 
 def write_config(tmp_path: Path, *tiers: dict[str, Any]) -> str:

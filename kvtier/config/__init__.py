@@ -133,7 +133,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, *,
         over = as_mapping(plain(overrides), "overrides") if overrides is not None else {}
         data = _base_layer(source, env, over)
         for var, parts, value in env_layer(env, SECTIONS, ENV_RESERVED):
-            data = apply_env(data, var, parts, value)
+            data = apply_env(data, var, parts, value, written=_env_written)
         data = merge(data, {k: v for k, v in over.items() if k not in ENGINE_ONLY_KEYS})
         cfg = build_config(data, env)
         for line in unknown_env(env, SECTIONS, filter(None, [cfg.security.hmac_key_env])):
@@ -183,6 +183,14 @@ def written_numbers(data: dict[str, Any]) -> dict[str, Any]:
     for section, key, _ in _unit_numbers(data):
         section[key] = str(section[key])
     return data
+
+
+def _env_written(parts: list[str], tree: Any) -> Any:
+    """A ``KVTIER_*`` variable's YAML mapping or list (``KVTIER_POLICY='{...}'``, ``KVTIER_TIERS='[...]'``) with
+    its sizes and durations as text, so that a bare number is refused as in a YAML file."""
+    if parts in (["policy"], ["tiers"]):
+        return written_numbers({parts[0]: tree})[parts[0]]
+    return tree
 
 
 def bare_numbers(data: Mapping[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from enum import Enum
 from pathlib import Path
@@ -149,8 +149,10 @@ def unknown_env(env: Mapping[str, str], sections: Iterable[str], exempt: Iterabl
     return lines
 
 
-def apply_env(data: dict[str, Any], var: str, parts: list[str], value: EnvScalar) -> dict[str, Any]:
-    """Set one env variable's value into ``data``; ``tiers`` are addressed by (case-insensitive) name."""
+def apply_env(data: dict[str, Any], var: str, parts: list[str], value: EnvScalar,
+              written: Callable[[list[str], Any], Any] = lambda _parts, tree: tree) -> dict[str, Any]:
+    """Set one env variable's value into ``data``; ``tiers`` are addressed by (case-insensitive) name. A value that
+    is a YAML mapping or list goes in as ``written(parts, tree)`` returns it."""
     node: Any = data
     for depth, part in enumerate(parts[:-1]):
         if isinstance(node, list):
@@ -165,7 +167,7 @@ def apply_env(data: dict[str, Any], var: str, parts: list[str], value: EnvScalar
         raise ConfigError(".".join(parts), f"{var} must name a key inside a tier",
                           "e.g. KVTIER_TIERS__CPU__CAPACITY=4GiB")
     parsed = value.parsed
-    node[parts[-1]] = plain(parsed) if isinstance(parsed, Mapping | list) else value
+    node[parts[-1]] = written(parts, plain(parsed)) if isinstance(parsed, Mapping | list) else value
     return data
 
 

@@ -247,6 +247,11 @@ def test_tier_kinds_and_compression() -> None:
     ("policy: {}", {"KVTIER_POLICY__PERSIST_MAX_LAG": "+2"}, "policy.persist_max_lag",
      "2 has no unit (did you mean 2s or 2ms?)"),
     ("policy: {save_backlog: 1.5}", {}, "policy.save_backlog", "1.5 has no unit (did you mean 1.5MiB or 1.5GiB?)"),
+    ("policy: {}", {"KVTIER_POLICY": "{save_backlog: 256}"}, "policy.save_backlog",
+     "256 has no unit (did you mean 256MiB or 256GiB? 256B is bytes)"),  # a whole section from one variable
+    ("policy: {}", {"KVTIER_TIERS": "[{name: c, kind: cpu, capacity: 1GiB}, {name: r, kind: redis, "
+                                    "url: 'redis://h/0', capacity: 1GiB, ttl: 60}]"}, "tiers[1].ttl",
+     "60 has no unit (did you mean 60s or 60ms?)"),
 ])
 def test_a_bare_number_for_a_size_or_a_duration_is_refused_with_a_guess(
         tmp_path: Path, yaml_text: str, env: dict[str, str], path: str, words: str) -> None:
@@ -257,6 +262,14 @@ def test_a_bare_number_for_a_size_or_a_duration_is_refused_with_a_guess(
                     + yaml_text + "\n")
     err = error_of(file, env=env)
     assert err.path == path and str(err) == f"{path}: {words}"
+
+
+def test_a_whole_section_from_one_variable_reads_its_units() -> None:
+    cfg = load_config({"tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1GiB"}]},
+                      env={"KVTIER_POLICY": "{save_backlog: 64MiB, persist_max_lag: 500ms, store_threshold: 2}",
+                           "KVTIER_TIERS": "[{name: cpu, kind: cpu, capacity: 2GiB}]"})
+    assert (cfg.policy.save_backlog, cfg.policy.persist_max_lag, cfg.policy.store_threshold) == (64 << 20, 0.5, 2)
+    assert cfg.tiers[0].capacity == 2 << 30
 
 
 def test_zero_needs_no_unit_and_units_read_as_written() -> None:

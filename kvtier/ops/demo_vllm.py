@@ -29,7 +29,7 @@ import shlex
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +158,9 @@ def settled(server: Server, timeout_s: float = 10.0) -> Samples:
 
 def one_run(title: str, spec: ServerSpec, log: Path, system: str, messages: list[list[str]],
             max_tokens: int) -> Run:
-    """Start the server, send the chats, read where the prompt tokens came from, stop it."""
+    """Start the server on a port free now (not when the spec was built: a run before it takes minutes), send the
+    chats, read where the prompt tokens came from, stop it."""
+    spec = replace(spec, port=0)
     env = " ".join(f"{k}={v}" for k, v in spec.env.items() if k != "VLLM_CACHE_ROOT")
     note(f"{PROG}: [{title}] starting: {env} python {shlex.join(spec.command()[1:])}")
     try:

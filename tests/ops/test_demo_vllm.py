@@ -9,12 +9,15 @@ import argparse
 import json
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtier.errors import KvtierError
 from kvtier.ops import demo, demo_vllm
 from kvtier.ops.demo_vllm import Answer, Run
 
@@ -52,6 +55,23 @@ def test_the_server_docs_show_is_the_one_the_demo_starts(tmp_path: Path) -> None
     port = started.index("--port") + 1
     restarted = again.command()[1:]
     assert restarted[:port] + restarted[port + 1:] == started[:port] + started[port + 1:]  # the same but its port
+
+
+def test_each_server_takes_a_port_free_when_it_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The specs are built before the first server starts; a port free then may be taken minutes later."""
+    spec = demo_vllm.specs("MODEL", tmp_path, Path("DIR/kvtier.yaml"), 12, 320, 8)[2]
+    started: list[int] = []
+
+    def running(spec: Any, log: Path, timeout_s: float) -> Any:
+        started.append(spec.port)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(demo_vllm, "running", running)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", spec.port))  # another process took it meanwhile
+        with pytest.raises(KvtierError):
+            demo_vllm.one_run("t", spec, tmp_path / "log", "system", [["hi"]], 1)
+    assert started and started[0] != spec.port
 
 
 @pytest.mark.parametrize(("users", "turns"), [(8, 4), (1, 1), (3, 6)])

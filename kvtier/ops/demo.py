@@ -134,6 +134,13 @@ def _config(args: argparse.Namespace, stack: ExitStack) -> tuple[KvtierConfig, l
     return _disks_under(cfg, root), applied, root
 
 
+def _fresh(cfg: KvtierConfig, root: str, repeat: int) -> KvtierConfig:
+    """``cfg`` for a repeat that finds nothing of earlier ones: its disk tiers under ``root``, and a tenant of its
+    own, so that a shared tier (Redis) holds none of their records under its keys."""
+    tenant = f"{cfg.namespace.tenant}/demo-repeat-{repeat}"
+    return dataclasses.replace(_disks_under(cfg, root), namespace=dataclasses.replace(cfg.namespace, tenant=tenant))
+
+
 def _disks_under(cfg: KvtierConfig, root: str) -> KvtierConfig:
     """``cfg`` with each disk tier's directory at ``root``/its name."""
     return dataclasses.replace(cfg, tiers=tuple(
@@ -215,8 +222,8 @@ def _demo(args: argparse.Namespace, cfg: KvtierConfig, applied: list[str]) -> in
 def _pairs(args: argparse.Namespace, engine_args: EngineArgs, cfg: KvtierConfig, spec: ChatSpec,
            model: ModelConfig) -> list[tuple[PhaseResult, PhaseResult]]:
     """``--repeats`` (without, with) pairs, the order turned every other repeat so that neither mode always runs
-    on a warmer machine; each cached run on empty disk tiers (the first on the config's, the others on temporary
-    ones)."""
+    on a warmer machine; each cached run on an empty cache (the first on the config's tiers, the others on
+    temporary disk tiers and a namespace of their own in a shared tier)."""
     from kvtier.engine.core import Engine
 
     memory = sum(t.capacity for t in cfg.tiers if t.kind in MEMORY_KINDS)
@@ -225,8 +232,8 @@ def _pairs(args: argparse.Namespace, engine_args: EngineArgs, cfg: KvtierConfig,
     repeats = args.repeats or (1 if args.persist is not None else 5)
     with ExitStack() as scratch:
         for repeat in range(repeats):
-            run_cfg = cfg if repeat == 0 else _disks_under(
-                cfg, scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-repeat-")))
+            run_cfg = cfg if repeat == 0 else _fresh(
+                cfg, scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-repeat-")), repeat)
             of = f" {repeat + 1}/{repeats}" if repeats > 1 else ""
             done = {}
             for cached in (False, True) if repeat % 2 == 0 else (True, False):

@@ -137,9 +137,11 @@ def test_demo_labels_its_records_with_the_model_that_ran(tmp_path: Path, capsys:
 def test_the_modes_take_turns_and_each_cached_run_starts_empty(monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """The headline is a median over paired runs whose order turns every other repeat (neither mode always runs on
-    a warmer machine), and no cached run inherits another's disk records."""
+    a warmer machine), and no cached run inherits another's records: its own disk directory, its own tenant (a
+    shared tier's keys)."""
     order: list[str] = []
     disks: list[str] = []
+    tenants: list[str] = []
     phase, cached_engine = demo._phase, demo._cached_engine
 
     def record(title: str, *rest: object) -> demo.PhaseResult:
@@ -148,6 +150,7 @@ def test_the_modes_take_turns_and_each_cached_run_starts_empty(monkeypatch: pyte
 
     def opened(engine_args: object, cfg: demo.KvtierConfig) -> object:
         disks.append(next(t.path for t in cfg.tiers if isinstance(t, demo.DiskTierConfig)))
+        tenants.append(cfg.namespace.tenant)
         return cached_engine(engine_args, cfg)  # type: ignore[arg-type]
 
     monkeypatch.setattr(demo, "_phase", record)
@@ -156,7 +159,7 @@ def test_the_modes_take_turns_and_each_cached_run_starts_empty(monkeypatch: pyte
                           "--no-progress")) == 0
     assert order == ["without cache 1/3", "with kvtier 1/3", "with kvtier 2/3", "without cache 2/3",
                      "without cache 3/3", "with kvtier 3/3"]
-    assert len(set(disks)) == 3
+    assert len(set(disks)) == 3 and len(set(tenants)) == 3
     out = capsys.readouterr().out
     assert re.search(r"kvtier's median: \d+\.\d\dx the speed without cache, median of 3 paired runs \(\d+\.\d\d-\d+\.\d\dx\)", out)
     assert re.search(r"prefill tokens saved: \d+ of \d+ prompt tokens \(\d+\.\d%; median of 3 runs", out)

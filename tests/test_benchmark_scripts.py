@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = ["overhead", "throughput", "ttft", "redis_bandwidth", "soak"]
+SCRIPTS = ["overhead", "throughput", "ttft", "redis_bandwidth", "soak", "disk_read"]
 # an option each script takes that must be a positive integer
 COUNTS = {"overhead": "--repeats", "throughput": "--repeats", "ttft": "--repeats", "redis_bandwidth": "--reps",
-          "soak": "--waves"}
+          "soak": "--waves", "disk_read": "--reps"}
 
 
 def script(name: str, *args: str, path: str | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -82,3 +82,17 @@ def test_throughput_with_an_unreachable_redis_says_so_in_one_line(tmp_path: Path
     line = one_error_line(script("throughput", "--quick", "--tiers", "redis", "--redis-url", "redis://127.0.0.1:1/0",
                                  "--no-plot", "--out", str(tmp_path)))
     assert "redis://127.0.0.1:1/0" in line
+
+
+def test_disk_read_small_run_checks_every_way_and_writes_its_json(tmp_path: Path) -> None:
+    """Every way reads the payloads' bytes (checked before the timed rounds: a way that read others fails the run),
+    aiofiles' among them (the dev extra installs it)."""
+    out = tmp_path / "dr.json"
+    proc = script("disk_read", "--mib", "2", "--sizes", "1", "2", "--reps", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == f"results: {out}"
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"1", "2"} and result["aiofiles"] is True
+    assert set(result["seconds"]["1"]) == {"aiofiles read + copy", "aiofiles readinto", "pread + copy",
+                                           "preadv into slots", "preadv + xxh3", "kvtier DiskTier.get"}
+    assert all(t > 0 for row in result["seconds"].values() for t in row.values())

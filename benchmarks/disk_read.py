@@ -16,7 +16,9 @@ over ``--reps`` rounds are reported:
 * ``kvtier DiskTier.get``: the tier's own get of the same records: ``preadv`` into slots plus the header read, the
   xxh3 checksum and the index (what a hit pays).
 
-Every way's bytes are checked against the payloads once, outside the timed rounds. Prints a table and writes
+Besides wall time, each way's CPU time (this process's, every thread: the aiofiles ways read their files on
+several pool threads at once, the others in one thread). Every way's bytes are checked against the payloads once,
+outside the timed rounds. Prints a table and writes
 ``benchmarks/results/disk_read.json``. Without aiofiles installed (``pip install aiofiles``; the ``dev`` extra has
 it) its rows are left out and the rest is measured.
 
@@ -85,7 +87,10 @@ def _aiofiles_ways(paths: list[str], dest: torch.Tensor, size: int) -> dict[str,
             async with aiofiles.open(path, "rb", buffering=0) as f:
                 got = 0
                 while got < size:
-                    got += await f.readinto(view[i * size + got:(i + 1) * size])
+                    n = await f.readinto(view[i * size + got:(i + 1) * size])
+                    if not n:
+                        raise RuntimeError(f"{path} ended after {got} bytes")
+                    got += n
         await asyncio.gather(*(one(i, p) for i, p in enumerate(paths)))
         return dest
 
@@ -112,7 +117,10 @@ def _thread_ways(paths: list[str], dest: torch.Tensor, size: int) -> dict[str, R
             try:
                 got = 0
                 while got < size:
-                    got += os.preadv(fd, [view[i * size + got:(i + 1) * size]], got)
+                    n = os.preadv(fd, [view[i * size + got:(i + 1) * size]], got)
+                    if not n:
+                        raise RuntimeError(f"{path} ended after {got} bytes")
+                    got += n
             finally:
                 os.close(fd)
         return dest
@@ -140,8 +148,9 @@ async def _tier(root: str, payloads: list[torch.Tensor]) -> tuple[DiskTier, list
     return tier, keys
 
 
-async def measure_size(size: int, count: int, reps: int, work: str) -> dict[str, Any]:
-    """Every way's median seconds for ``count`` records of ``size`` bytes, and each one checked."""
+async def measure_size(size: int, count: int, reps: int, work: str) -> dict[str, tuple[float, float]]:
+    """Every way's median wall and CPU seconds (this process's, every thread) for ``count`` records of ``size``
+    bytes, each way's bytes checked first."""
     gen = torch.Generator().manual_seed(size)
     payloads = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen) for _ in range(count)]
     paths = []
@@ -164,39 +173,43 @@ async def measure_size(size: int, count: int, reps: int, work: str) -> dict[str,
             got = torch.cat([t.view(torch.uint8).reshape(-1) if t is not None else torch.empty(0) for t in got])
         if not torch.equal(got, expected):
             raise RuntimeError(f"{name} read other bytes than the payloads")
-    times: dict[str, list[float]] = {name: [] for name in ways}
+    wall: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[float]] = {name: [] for name in ways}
     names = list(ways)
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             await ways[name]()
-            times[name].append(time.perf_counter() - t0)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     await tier.close()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in ways}
 
 
-def table(rows: dict[str, dict[str, float]], mib: int) -> list[str]:
-    lines = [f"{'way':<24} " + " ".join(f"{size + ' MiB':>22}" for size in rows)]
-    for name in next(iter(rows.values())):
-        cells = []
-        for found in rows.values():
-            seconds = found[name]
-            cells.append(f"{seconds * 1e3:6.2f} ms {mib * MIB / seconds / 1e9:5.1f} GB/s"
-                         f" {seconds / found[BASE]:4.2f}x")
-        lines.append(f"{name:<24} " + " ".join(f"{c:>22}" for c in cells))
+def table(result: dict[str, Any]) -> list[str]:
+    seconds, cpu = result["seconds"], result["cpu_seconds"]
+    lines = [f"{'way':<24} " + " ".join(f"{size + ' MiB: wall, GB/s, x limit, CPU':>38}" for size in seconds)]
+    for name in next(iter(seconds.values())):
+        cells = [f"{seconds[size][name] * 1e3:6.2f} ms {result['bytes'][size] / seconds[size][name] / 1e9:5.1f} "
+                 f"GB/s {seconds[size][name] / seconds[size][BASE]:4.2f}x {cpu[size][name] * 1e3:6.2f} ms"
+                 for size in seconds]
+        lines.append(f"{name:<24} " + " ".join(f"{c:>38}" for c in cells))
     return lines
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    rows: dict[str, dict[str, float]] = {}
+    found: dict[str, dict[str, tuple[float, float]]] = {}
+    nbytes: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-disk-read-") as work:
         for mib in args.sizes:
             count = max(1, args.mib // mib)
-            rows[str(mib)] = await measure_size(mib * MIB, count, args.reps, work)
-    result = {"batch_mib": args.mib, "reps": args.reps, "page_cache": "warm", "baseline": BASE,
-              "seconds": rows, "aiofiles": importlib.util.find_spec("aiofiles") is not None,
-              "machine": machine_info()}
-    print("\n".join(table(rows, args.mib)))
+            found[str(mib)] = await measure_size(mib * MIB, count, args.reps, work)
+            nbytes[str(mib)] = count * mib * MIB
+    result = {"batch_mib": args.mib, "reps": args.reps, "page_cache": "warm", "baseline": BASE, "bytes": nbytes,
+              "seconds": {size: {n: t[0] for n, t in ways.items()} for size, ways in found.items()},
+              "cpu_seconds": {size: {n: t[1] for n, t in ways.items()} for size, ways in found.items()},
+              "aiofiles": importlib.util.find_spec("aiofiles") is not None, "machine": machine_info()}
+    print("\n".join(table(result)))
     return result
 
 

@@ -18,8 +18,9 @@ Workloads, with ``--temperature 0``:
   directory, vLLM's alone with its cache empty.
 
 The modes take turns (the order turns every other repeat), and each reports mean, p50 and p99 TTFT, output
-throughput, and where the prompt tokens came from (vLLM's ``/metrics``). Each server also answers a probe set
-twice; the second, cached, answers must be the same on every server (float32: exactly), else the run fails.
+throughput, and where the prompt tokens came from (vLLM's ``/metrics``). Every timed pass of a repeat must give the
+same texts, request by request, on every server (float32, greedy: kvtier's loaded KV, vLLM's cached and its
+computed KV alike), and kvtier's timed passes must have loaded prompt tokens from kvtier; else the run exits 1.
 Writes ``benchmarks/results/vllm_client.json``.
 
     .venv-e2e/bin/python benchmarks/vllm_client.py [--repeats 2] [--prefixes 12] [--prefix-len 768]
@@ -45,12 +46,8 @@ from benchmarks.script_run import run_checked  # noqa: E402
 from kvtier.bench.output import check_writable, machine_info  # noqa: E402
 from kvtier.errors import KvtierError  # noqa: E402
 from kvtier.ops.cli import KvtierParser, positive_int  # noqa: E402
+from kvtier.ops.demo_vllm import BLOCK, HIDDEN, LAYERS, SERVER_ENV, SOURCES  # noqa: E402  (the demo's model)
 
-BLOCK = 32  # tokens per vLLM block and per kvtier chunk
-LAYERS, HIDDEN = 8, 512  # the demo's model: prefill costs enough that a hit shows in the time to first token
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
-              "TORCHDYNAMO_DISABLE": "1", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"}
 CLIENT = ("import json, sys\nfrom vllm.benchmarks.serve import add_cli_args, main\n"
           "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
           "parser = FlexibleArgumentParser()\nadd_cli_args(parser)\nmain(parser.parse_args(sys.argv[1:]))\n")
@@ -98,11 +95,12 @@ def kvtier_config(args: argparse.Namespace, work: Path, disk: Path) -> None:
     (work / "kvtier.yaml").write_text(text)
 
 
-def client(args: argparse.Namespace, server: Any, model: str, work: Path, workload: str, seed: int) -> dict[str, Any]:
-    """One pass of vLLM's client against ``server``; its result JSON."""
+def client(args: argparse.Namespace, server: Any, model: str, work: Path, workload: str, seed: int,
+           tag: str) -> dict[str, Any]:
+    """One pass (``tag``) of vLLM's client against ``server``; its result JSON, with each request's text."""
     from kvtier.ops.vllm_server import same_kvtier
 
-    name = f"client-{workload}-{seed}-{server.spec.port}.json"
+    name = f"client-{workload}-{seed}-{server.spec.port}-{tag}.json"
     data = (["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
              "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
              str(args.prefixes), "--prefix-repetition-output-len", str(args.output_len)]
@@ -113,8 +111,8 @@ def client(args: argparse.Namespace, server: Any, model: str, work: Path, worklo
            str(server.spec.port), "--model", model, "--tokenizer", model, *data,
            "--num-prompts", str(args.prefixes * args.per_prefix), "--max-concurrency", str(args.clients),
            "--temperature", "0", "--ignore-eos", "--seed", str(seed), "--disable-tqdm", "--save-result",
-           "--result-dir", str(work), "--result-filename", name, "--percentile-metrics", "ttft,tpot,e2el",
-           "--metric-percentiles", "50,90,99"]
+           "--save-detailed", "--result-dir", str(work), "--result-filename", name,
+           "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90,99"]
     log = work / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=1200, check=False,
@@ -138,76 +136,60 @@ def timed_pass(args: argparse.Namespace, server: Any, model: str, work: Path, wo
     from kvtier.ops.demo_vllm import settled
 
     before = settled(server)
-    result = client(args, server, model, work, workload, seed)
+    result = client(args, server, model, work, workload, seed, "timed")
     after = settled(server)
     keep = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "output_throughput",
             "request_throughput", "completed", "duration")
-    return {**{k: result.get(k) for k in keep}, "prompt_tokens": sources(before, after)}
-
-
-def probes(seed: int) -> list[str]:
-    """Three prompts sharing a 200-word prefix (the tokenizer's made-up words)."""
-    import random
-
-    from kvtier.ops.models import tokenizer_words
-
-    words, rng = tokenizer_words(), random.Random(seed)
-    prefix = " ".join(rng.choice(words) for _ in range(200))
-    return [prefix + " " + " ".join(rng.choice(words) for _ in range(16)) for _ in range(3)]
-
-
-def probe_answers(server: Any, prompts: list[str]) -> list[str]:
-    """Each probe's second (cached) answer."""
-    for prompt in prompts:
-        server.stream(prompt, 8)
-    return [server.stream(prompt, 8).text for prompt in prompts]
+    return {**{k: result.get(k) for k in keep}, "prompt_tokens": sources(before, after),
+            "texts": list(result.get("generated_texts") or [])}
 
 
 def one_server(args: argparse.Namespace, model: str, work: Path, mode: str, repeat: int,
-               restarted: bool = False) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Start a mode's server, run its passes (a restarted one: the timed prefix pass only), ask the probes."""
+               restarted: bool = False) -> dict[str, dict[str, Any]]:
+    """Start a mode's server and run its passes (a restarted one: the timed prefix pass only)."""
     from kvtier.ops.vllm_server import running
 
     spec = server_spec(args, model, work, mode)
-    title = f"{mode}{', restarted' if restarted else ''}"
-    print(f"vllm_client: repeat {repeat + 1}: {title}", flush=True)
+    print(f"vllm_client: repeat {repeat + 1}: {mode}{', restarted' if restarted else ''}", flush=True)
     passes: dict[str, dict[str, Any]] = {}
     with running(spec, work / f"server-{mode}-{repeat}-{int(restarted)}.log", timeout_s=600) as server:
         if not restarted:
-            client(args, server, model, work, "prefix_repetition", repeat)  # untimed: fills the caches
+            client(args, server, model, work, "prefix_repetition", repeat, "warm")  # untimed: fills the caches
         passes["restart" if restarted else "prefix_repetition"] = timed_pass(args, server, model, work,
                                                                             "prefix_repetition", repeat)
         if not restarted:
             passes["random"] = timed_pass(args, server, model, work, "random", 1000 + repeat)
-        answers = probe_answers(server, probes(repeat))
-    return passes, answers
+    return passes
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Every repeat's passes, by workload and mode, and whether every server gave the same cached answers."""
+    """Every repeat's timed passes by workload and mode, and the checks: the same texts on every server, and
+    kvtier's passes loading from kvtier."""
     from kvtier.ops.models import add_tokenizer, make_llama
 
     model = add_tokenizer(make_llama(str(work / "model"), LAYERS, HIDDEN))
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    answers: dict[str, list[list[str]]] = {}
+    texts: dict[tuple[str, int], list[list[str]]] = {}  # (prompt set, repeat): each timed pass's texts
     modes = ["vllm", "kvtier", "ceiling"]
     for repeat in range(args.repeats):
         for mode in modes if repeat % 2 == 0 else modes[::-1]:
             if mode == "kvtier":
                 kvtier_config(args, work, work / f"disk-{repeat}")
-            servers = [False, True] if mode in ("vllm", "kvtier") else [False]
-            for restarted in servers:
-                passes, said = one_server(args, model, work, mode, repeat, restarted)
-                for workload, figures in passes.items():
+            for restarted in [False, True] if mode in ("vllm", "kvtier") else [False]:
+                for workload, figures in one_server(args, model, work, mode, repeat, restarted).items():
+                    prompts = "random" if workload == "random" else "prefix_repetition"  # a restart's are these
+                    texts.setdefault((prompts, repeat), []).append(figures.pop("texts"))
                     runs.setdefault(workload, {}).setdefault(mode, []).append(figures)
-                answers.setdefault(f"{mode}{' restarted' if restarted else ''}", []).append(said)
-    same = all(said == answers["vllm"][i] for runs_of in answers.values() for i, said in enumerate(runs_of))
-    return {"runs": runs, "probe_answers": answers, "same_answers": same}
+    same = all(t and all(other == t[0] for other in t) and t[0] for t in texts.values())
+    loaded = all(p["prompt_tokens"]["external_kv_transfer"] > 0
+                 for workload in ("prefix_repetition", "restart") for p in runs[workload]["kvtier"])
+    return {"runs": runs, "same_texts": bool(same), "kvtier_loaded": loaded,
+            "texts_compared": sum(len(t) * len(t[0]) for t in texts.values())}
 
 
 def summary(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Medians over the repeats, and the ratios against vLLM's prefix cache alone and against the ceiling (a
-    restart's against those of ``prefix_repetition``, the same timed pass)."""
+    """Medians over the repeats (the prompt tokens: sums), and the ratios against vLLM's prefix cache alone and
+    against the ceiling, in the same workload (a restart: against a restarted vLLM, and no ceiling)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for workload, by_mode in runs.items():
         out[workload] = {}
@@ -271,9 +253,10 @@ def _run_and_write(args: argparse.Namespace) -> int:
               "summary": summed, **found, "machine": machine_info()}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("\n".join(table(summed)))
-    print(f"cached answers the same on every server: {found['same_answers']}")
+    print(f"the same texts on every server ({found['texts_compared']} completions compared): "
+          f"{found['same_texts']}; kvtier's timed passes loaded from kvtier: {found['kvtier_loaded']}")
     print(f"results: {args.out}")
-    return 0 if found["same_answers"] else 1
+    return 0 if found["same_texts"] and found["kvtier_loaded"] else 1
 
 
 if __name__ == "__main__":

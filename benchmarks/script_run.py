@@ -19,14 +19,19 @@ from pathlib import Path
 def missing(commands: Sequence[str], why: str, out: Path) -> str | None:
     """What a Redis benchmark needs and does not find: redis-py, ``commands`` on PATH (``why``: what it runs them
     for), a place for its results file ``out``. One line, or None when all is there."""
-    from kvtier.bench.output import check_writable
-    from kvtier.errors import KvtierError
-
     if importlib.util.find_spec("redis") is None:
         return "redis-py is not installed: pip install 'kvtier[redis]'"
     absent = [c for c in commands if shutil.which(c) is None]
     if absent:
         return f"{' and '.join(absent)} not found on PATH ({why}): install Redis, e.g. apt-get install redis-server"
+    return unwritable(out)
+
+
+def unwritable(out: Path) -> str | None:
+    """Why the results file ``out`` cannot be written there (one line), or None."""
+    from kvtier.bench.output import check_writable
+    from kvtier.errors import KvtierError
+
     try:
         check_writable(argparse.Namespace(json=out))
     except KvtierError as exc:

@@ -42,8 +42,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # kvtier from this checkout
 
-from benchmarks.script_run import run_checked  # noqa: E402
-from kvtier.bench.output import check_writable, machine_info  # noqa: E402
+from benchmarks.script_run import run_checked, unwritable  # noqa: E402
+from kvtier.bench.output import machine_info  # noqa: E402
 from kvtier.errors import KvtierError  # noqa: E402
 from kvtier.ops.cli import KvtierParser, positive_int  # noqa: E402
 from kvtier.ops.demo_vllm import BLOCK, HIDDEN, LAYERS, SERVER_ENV, SOURCES  # noqa: E402  (the demo's model)
@@ -234,14 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.memory_share < 1:
         parser.error(f"argument --memory-share: expected a share between 0 and 1, got {args.memory_share}")
-    try:
-        check_writable(argparse.Namespace(json=args.out))
+    need = unwritable(args.out)
+    if need is None:
         from kvtier.ops.demo_vllm import check_vllm
 
-        check_vllm()
-    except KvtierError as exc:
-        return run_checked("vllm_client", str(exc), lambda: 0)
-    return run_checked("vllm_client", None, lambda: _run_and_write(args))
+        try:
+            check_vllm()
+        except KvtierError as exc:
+            need = str(exc)
+    return run_checked("vllm_client", need, lambda: _run_and_write(args))
 
 
 def _run_and_write(args: argparse.Namespace) -> int:

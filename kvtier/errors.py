@@ -28,9 +28,5 @@ class TierUnavailable(KvtierError):
     """A tier cannot be reached (dead server, timeout, open circuit breaker)."""
 
 
-class CapacityError(KvtierError):
-    """A record is larger than a tier can ever hold."""
-
-
 class ConnectorError(KvtierError):
     """A connector could not be resolved or constructed."""

@@ -171,7 +171,3 @@ def create_connector(config: Any, role: Any, kv_cache_config: Any = None) -> Any
     """Build kvtier's engine-neutral connector named by ``config.kv_transfer_config``."""
     return DEFAULT_FACTORY.create(config, role, kv_cache_config)
 
-
-def register_connector(name: str, module_path: str, class_name: str) -> None:
-    """Register a built-in name with the default factory."""
-    DEFAULT_FACTORY.register(name, module_path, class_name)

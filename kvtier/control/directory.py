@@ -113,8 +113,9 @@ class Directory:
         return self._tiers[tier].slot.shared
 
     def lookup(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> list[str]:
-        """Tier name (fastest first) holding each chunk of the longest READY prefix in local tiers."""
-        names = [n for n in (tiers or self._order) if not self._tiers[n].slot.shared]
+        """Tier name (fastest first) holding each chunk of the longest READY prefix in the local tiers among
+        ``tiers`` (every tier when None; none when empty)."""
+        names = [n for n in (self._order if tiers is None else tiers) if not self._tiers[n].slot.shared]
         indexes = [self._tiers[n] for n in names]
         found: list[str] = []
         with self._lock:

@@ -51,6 +51,7 @@ def test_lookup_stops_at_first_miss_and_spans_tiers() -> None:
     store(d, "t1", [2, 4])
     assert d.lookup([k(1), k(2), k(3), k(4)]) == ["t0", "t1"]
     assert d.lookup([k(1), k(2)], ["t1"]) == []
+    assert d.lookup([k(1), k(2)], []) == []  # an empty chain searches no tier, not every tier
 
 
 def test_eviction_keeps_capacity_and_uses_policy_order() -> None:

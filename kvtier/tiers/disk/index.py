@@ -80,7 +80,6 @@ class ScanResult:
     entries: list[tuple[Key, int]] = field(default_factory=list)  # oldest first
     corrupt: int = 0
     temp_removed: int = 0
-    removed_bytes: dict[bytes, int] = field(default_factory=dict)  # invalid records deleted, per namespace
     manifested: set[bytes] = field(default_factory=set)  # namespaces whose directory has a manifest
 
 
@@ -171,8 +170,6 @@ def scan(layout: Layout, max_raw: int) -> ScanResult:
                 continue
             if isinstance(entry, int):
                 result.corrupt += 1
-                space = bytes.fromhex(os.path.relpath(dirpath, layout.root).split(os.sep)[0])
-                result.removed_bytes[space] = result.removed_bytes.get(space, 0) + entry
             else:
                 found.append(entry)
     found.sort(key=lambda e: e[0])

@@ -128,7 +128,7 @@ class SharedDirectory:
         """Name more namespaces as this member's; write the manifests of those with a directory."""
         with self.ledger.locked(self.capacity) as state:
             self._note(state, own)
-        self.write_manifests(own, True)
+        self.write_manifests(own)
 
     def store(self, items: Sequence[tuple[Key, T]], victims: Sequence[Victim], own: Sequence[bytes],
               stage: Callable[[Sequence[tuple[Key, T]]], list[Staged | Exception]],
@@ -139,7 +139,7 @@ class SharedDirectory:
         ledger, and rename the counted records into place (a process killed in between leaves an overcount,
         never an undercount). Per item: its file size, the error that dropped it, or None where the directory
         is full; and the records deleted for room with their sizes."""
-        self.write_manifests(sorted({k[:DIGEST_BYTES] for k, _ in items}), True)
+        self.write_manifests(sorted({k[:DIGEST_BYTES] for k, _ in items}))
         staged = stage(items)
         out: list[int | Exception | None] = [s if isinstance(s, Exception) else None for s in staged]
         evicted: dict[Key, int] = {}
@@ -255,9 +255,9 @@ class SharedDirectory:
         return removed
 
     # ---- manifests (blocking) -------------------------------------------------------------------------
-    def write_manifests(self, spaces: Sequence[bytes], create: bool) -> None:
-        """Write the manifest of each described namespace whose directory exists (``create``: make it) and lacks
-        an equal one. A failure is logged: records do not depend on manifests."""
+    def write_manifests(self, spaces: Sequence[bytes]) -> None:
+        """Write the manifest of each described namespace (its directory made when absent) that lacks an equal
+        one. A failure is logged: records do not depend on manifests."""
         for space in spaces:
             manifest = self.described.get(space)
             if manifest is None or space in self.manifested:
@@ -265,8 +265,6 @@ class SharedDirectory:
             directory = os.path.join(self.layout.root, space.hex())
             try:
                 if not os.path.isdir(directory):
-                    if not create:
-                        continue
                     self.layout.make_dirs(directory)
                 found = read_manifest(directory)
                 if found is None or not same_namespace(found, manifest):

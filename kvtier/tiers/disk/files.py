@@ -78,6 +78,14 @@ def write_all(fd: int, parts: Sequence[bytes | memoryview]) -> int:
     return total
 
 
+def remove(path: str) -> None:
+    """Remove a file; one already gone is no error (any other failure is)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def discard(path: str) -> None:
     """Remove a temp file if it is there."""
     try:

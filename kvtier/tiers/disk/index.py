@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kvtier.errors import CorruptRecord
 from kvtier.records.codec import HEADER_SIZE, decode_header
 from kvtier.records.keys import DIGEST_BYTES, KEY_BYTES, Key
+from kvtier.tiers.disk.files import remove
 from kvtier.tiers.manifest import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
@@ -105,12 +106,6 @@ def is_stale_temp(path: str, name: str, now: float) -> bool:
     return age > STALE_TMP_SECONDS or not _pid_alive(pid)
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
 
 def _check_record(path: str, key: Key, size: int, max_raw: int) -> None:
     with open(path, "rb") as f:
@@ -159,7 +154,7 @@ def scan(layout: Layout, max_raw: int) -> ScanResult:
             path = os.path.join(dirpath, name)
             if name.endswith(TMP_SUFFIX):
                 if is_stale_temp(path, name, now):
-                    _unlink(path)
+                    remove(path)
                     result.temp_removed += 1
                 continue
             if not name.endswith(SUFFIX):
@@ -218,6 +213,6 @@ def _scan_one(layout: Layout, path: str, name: str, max_raw: int) -> tuple[float
         raise
     except (CorruptRecord, OSError) as exc:
         log.warning("disk tier: removing invalid record %s: %s", path, exc)
-        _unlink(path)
+        remove(path)
         return size
     return (st.st_mtime, key, st.st_size)

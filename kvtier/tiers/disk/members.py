@@ -20,7 +20,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.tiers.disk.files import discard, fsync_dir, open_temp, write_and_rename
+from kvtier.tiers.disk.files import discard, fsync_dir, open_temp, remove, write_and_rename
 
 MEMBERS_NAME = ".kvtier-members"
 SUFFIX = ".json"
@@ -107,7 +107,7 @@ class MemberFiles:
                 roster.on_disk[member_id] = text
                 changed = True
         for member_id in [m for m in roster.on_disk if m not in members]:
-            _unlink(self._file(member_id))
+            remove(self._file(member_id))
             del roster.on_disk[member_id]
             changed = True
         if changed and self.fsync and os.path.isdir(self.path):
@@ -120,9 +120,3 @@ class MemberFiles:
 def _dump(member: dict[str, Any]) -> str:
     return json.dumps(member, sort_keys=True, separators=(",", ":"))
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -61,8 +61,11 @@ def engine_env(workdir: Path) -> dict[str, str]:
 
 
 def counts_env(path: Path) -> dict[str, str]:
-    """Environment that makes an engine's processes record the tokens they schedule (``sitecustomize.py``)."""
-    return {"KVTIER_E2E_COUNTS": str(path), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    """Environment that makes an engine's processes record the tokens they schedule (``sitecustomize.py``). No
+    empty entry joins the path: one would put the working directory, this checkout's source tree, before the
+    installed kvtier that the end-to-end tests run."""
+    entries = [str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"KVTIER_E2E_COUNTS": str(path), "PYTHONPATH": os.pathsep.join(entries)}
 
 
 def computed_tokens(path: Path) -> list[tuple[str, int]]:

@@ -55,7 +55,8 @@ from benchmarks import lmcache_peer  # noqa: E402
 from benchmarks.script_run import run_checked, unwritable  # noqa: E402
 from kvtier.bench.output import machine_info  # noqa: E402
 from kvtier.config import DiskTierConfig  # noqa: E402
-from kvtier.ops.cli import KvtierParser, positive_int  # noqa: E402
+from kvtier.ops.argtypes import positive_int  # noqa: E402
+from kvtier.ops.cli import KvtierParser  # noqa: E402
 from kvtier.records.keys import Key  # noqa: E402
 from kvtier.tiers.disk.tier import DiskTier  # noqa: E402
 

@@ -43,7 +43,8 @@ import torch  # noqa: E402
 from benchmarks import lmcache_peer  # noqa: E402
 from benchmarks.script_run import missing, run_checked  # noqa: E402
 from kvtier.config import RedisTierConfig  # noqa: E402
-from kvtier.ops.cli import KvtierParser, positive_int  # noqa: E402
+from kvtier.ops.argtypes import positive_int  # noqa: E402
+from kvtier.ops.cli import KvtierParser  # noqa: E402
 from kvtier.tiers.redis.tier import RedisTier  # noqa: E402
 
 MIB = 1 << 20

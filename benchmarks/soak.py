@@ -48,7 +48,8 @@ from kvtier.config import KvtierConfig, load_config  # noqa: E402
 from kvtier.engine import Engine, EngineArgs, ModelConfig, RequestSpec  # noqa: E402
 from kvtier.engine.harness import RunRecord, run_waves  # noqa: E402
 from kvtier.engine.workload import random_tokens  # noqa: E402
-from kvtier.ops.cli import KvtierParser, non_negative_int, positive_int  # noqa: E402
+from kvtier.ops.argtypes import non_negative_int, positive_int  # noqa: E402
+from kvtier.ops.cli import KvtierParser  # noqa: E402
 
 __all__ = ["ARGS", "KINDS", "SPLIT_SIZES", "WORKER_KINDS", "FaultInjector", "SoakSpec", "make_waves", "run_soak",
            "summary", "verdict"]

@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))  # kvtier from this checkout
 from benchmarks.script_run import run_checked, unwritable  # noqa: E402
 from kvtier.bench.output import machine_info  # noqa: E402
 from kvtier.errors import KvtierError  # noqa: E402
-from kvtier.ops.cli import KvtierParser, positive_int  # noqa: E402
+from kvtier.ops.argtypes import positive_int  # noqa: E402
+from kvtier.ops.cli import KvtierParser  # noqa: E402
 from kvtier.ops.demo_vllm import BLOCK, HIDDEN, LAYERS, SERVER_ENV, SOURCES  # noqa: E402  (the demo's model)
 
 CLIENT = ("import json, sys\nfrom vllm.benchmarks.serve import add_cli_args, main\n"

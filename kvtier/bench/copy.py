@@ -17,9 +17,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.bench.args import positive_int
 from kvtier.bench.measure import Spread, format_size, gbps, interleave, save_results, timed
 from kvtier.bench.output import add_output_arguments
+from kvtier.ops.argtypes import positive_int
 
 HELP = "the copy of a hit into the engine's blocks beside a plain memory copy of the same bytes"
 ORDERS = ("ascending", "descending", "scattered")

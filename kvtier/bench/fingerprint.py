@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.args import existing_path, positive_float, positive_int
 from kvtier.bench.measure import Spread, drop_page_cache, save_results
 from kvtier.bench.output import add_output_arguments
 from kvtier.errors import KvtierError
+from kvtier.ops.argtypes import existing_path, positive_float, positive_int
 from kvtier.records.fingerprint import READ_BYTES, weight_files, weights_id
 
 HELP = "start-up cost of the weights fingerprint (stat, content hash) beside a plain read"

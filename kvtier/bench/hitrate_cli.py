@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtier.bench import hitrate
 from kvtier.bench.hitrate import DEFAULT_POLICY, TRACE_SOURCE, SweepSpec, bars, sweep, table
-from kvtier.bench.output import add_output_arguments, save_results
+from kvtier.bench.output import add_output_arguments, figure, save_results
 from kvtier.bench.workloads import GENERATORS, SUITES, Workload, load_mooncake, parse_capacities, suite_workloads
 from kvtier.config.parse import parse_size, refuse_bare_size
 from kvtier.control.policy import POLICIES
@@ -153,26 +153,16 @@ def run(args: argparse.Namespace) -> int:
 
 def plot(doc: dict[str, Any], path: Path) -> Path | None:
     """Token hit rate vs capacity per policy (single-tier runs), with Belady's and the infinite cache's; one
-    panel per workload for a suite. None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    panel per workload for a suite."""
     docs = doc.get("workloads", [doc])
     cols = min(len(docs), 3)
     rows = -(-len(docs) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 5 * rows), squeeze=False)
-    for ax in axes.flat[len(docs):]:
-        ax.set_visible(False)
-    for one, ax in zip(docs, axes.flat, strict=False):
-        _draw(one, ax)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120 if len(docs) == 1 else 80)
-    plt.close(fig)
+    with figure(path, rows, cols, dpi=120 if len(docs) == 1 else 80, figsize=(8 * cols, 5 * rows),
+                squeeze=False) as (_, axes):
+        for ax in axes.flat[len(docs):]:
+            ax.set_visible(False)
+        for one, ax in zip(docs, axes.flat, strict=False):
+            _draw(one, ax)
     return path
 
 

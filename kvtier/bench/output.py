@@ -17,7 +17,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +125,32 @@ def save_results(args: Any, benchmark: str, body: Mapping[str, Any],
     return path
 
 
+@contextlib.contextmanager
+def figure(path: Path, rows: int = 1, cols: int = 1, dpi: int = 110, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """A matplotlib figure (Agg backend) and its axes for the chart at ``path``: laid out, saved and closed when the
+    block ends (closed too when it fails). ImportError without matplotlib, which ``save_results`` notes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(rows, cols, **subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
 def _draw(plot: Callable[[Path], Path | None], png: Path) -> tuple[Path | None, str]:
     """Draw the chart; on failure the JSON stands alone and the note says why."""
     try:
         png.parent.mkdir(parents=True, exist_ok=True)
         drawn = plot(png)
+    except ImportError:
+        drawn = None
     except Exception as exc:  # a chart is optional: its failure must not lose the measurements
         print(f"kvtier: warning: no chart ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None, " (no chart: drawing it failed)"

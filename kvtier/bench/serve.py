@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import serve_client, serve_report
-from kvtier.bench.args import names_from, positive_float, positive_int
 from kvtier.bench.hitrate import DEFAULT_TRACE, TRACE_SOURCE
 from kvtier.bench.output import add_output_arguments
 from kvtier.bench.serve_trace import (
@@ -50,6 +49,7 @@ from kvtier.bench.serve_trace import (
     working_set,
     write_rows,
 )
+from kvtier.ops.argtypes import names_from, positive_float, positive_int
 from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 from kvtier.ops.progress import note, progress_bar
 from kvtier.ops.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, running
@@ -383,12 +383,3 @@ def report(args: argparse.Namespace, doc: dict[str, Any]) -> int:
         print(f"kvtier bench serve: check failed: {line}", file=sys.stderr)
     return 1 if found else 0
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.serve")
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from kvtier.bench.hitrate import DEFAULT_POLICY, replay_policy
+from kvtier.bench.output import figure
 from kvtier.bench.serve_client import Reply
 from kvtier.bench.workloads import Workload
 from kvtier.ops.vllm_server import Samples, metric_sum
@@ -233,37 +234,28 @@ def table(point: Mapping[str, Any]) -> str:
 def plot(doc: Mapping[str, Any], path: Any) -> Any:
     """TTFT CDF per mode (smallest memory point); hit rate, TTFT p50 and generated tokens/s against engine
     memory."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     points = doc["points"]
-    fig, ((cdf, hits), (ttft, speed)) = plt.subplots(2, 2, figsize=(12, 8))
-    first = points[0]
-    for mode, ttfts in first["ttft_s"].items():
-        xs = sorted(t * 1e3 for t in ttfts)
-        cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, drawstyle="steps-post")
-    cdf.set_xlabel(f"TTFT (ms), engine memory {first['memory']:.0%}")
-    cdf.set_ylabel("share of requests")
-    memories = [p["memory"] * 100 for p in points]
-    panels = ((hits, "hit_rate", 100, "token hit rate (%), engine + kvtier"),
-              (ttft, "ttft_p50_s", 1e3, "TTFT p50 (ms)"), (speed, "generated_tokens_per_s", 1, "generated tokens/s"))
-    for mode in first["modes"]:
-        rows = [p["modes"].get(mode) for p in points]
-        for ax, key, factor, _ in panels:
-            ax.plot(memories, [r[key] * factor if r else math.nan for r in rows], marker="o", label=mode)
-    for ax, _, _, label in panels:
-        ax.set_xlabel("engine KV memory (% of the working set)")
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-    for ax in (cdf, hits, ttft, speed):
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{doc['settings']['requests']} requests of {doc['settings']['trace_name']} through vLLM's "
-                 f"OpenAI server, {doc['settings']['concurrency']} concurrent clients")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, 2, figsize=(12, 8)) as (fig, ((cdf, hits), (ttft, speed))):
+        first = points[0]
+        for mode, ttfts in first["ttft_s"].items():
+            xs = sorted(t * 1e3 for t in ttfts)
+            cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, drawstyle="steps-post")
+        cdf.set_xlabel(f"TTFT (ms), engine memory {first['memory']:.0%}")
+        cdf.set_ylabel("share of requests")
+        memories = [p["memory"] * 100 for p in points]
+        panels = ((hits, "hit_rate", 100, "token hit rate (%), engine + kvtier"),
+                  (ttft, "ttft_p50_s", 1e3, "TTFT p50 (ms)"),
+                  (speed, "generated_tokens_per_s", 1, "generated tokens/s"))
+        for mode in first["modes"]:
+            rows = [p["modes"].get(mode) for p in points]
+            for ax, key, factor, _ in panels:
+                ax.plot(memories, [r[key] * factor if r else math.nan for r in rows], marker="o", label=mode)
+        for ax, _, _, label in panels:
+            ax.set_xlabel("engine KV memory (% of the working set)")
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+        for ax in (cdf, hits, ttft, speed):
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{doc['settings']['requests']} requests of {doc['settings']['trace_name']} through vLLM's "
+                     f"OpenAI server, {doc['settings']['concurrency']} concurrent clients")
     return path

@@ -31,7 +31,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.bench.args import existing_dir, names_from, positive_int, positive_size, positive_sizes
 from kvtier.bench.measure import (
     chunk_views,
     copy_all,
@@ -45,7 +44,7 @@ from kvtier.bench.measure import (
     timed,
     touched,
 )
-from kvtier.bench.output import add_output_arguments
+from kvtier.bench.output import add_output_arguments, figure
 from kvtier.bench.throughput_run import (
     ALL_TIERS,
     GOALS,
@@ -55,6 +54,7 @@ from kvtier.bench.throughput_run import (
     Settings,
     percent,
 )
+from kvtier.ops.argtypes import existing_dir, names_from, positive_int, positive_size, positive_sizes
 
 if TYPE_CHECKING:  # imported where it is used: --help loads no torch
     import torch
@@ -180,15 +180,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None:
-    """Bar chart: kvtier vs raw GB/s per tier, op and size (one panel per tier and mode). None without
-    matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    """Bar chart: kvtier vs raw GB/s per tier, op and size (one panel per tier and mode)."""
     panels: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         fsync = {True: "fsync", False: "no fsync"}.get(r["fsync"]) if "fsync" in r else None
@@ -196,16 +188,12 @@ def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> Path | No
         panels.setdefault(f"{r['tier']} {mode}".strip(), []).append(r)
     cols = 2
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(14, 3.4 * rows), squeeze=False)
-    for ax, (name, rs) in zip(axes.flat, panels.items(), strict=False):
-        _panel(ax, name, rs)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    with figure(path, rows, cols, dpi=90, figsize=(14, 3.4 * rows), squeeze=False) as (fig, axes):
+        for ax, (name, rs) in zip(axes.flat, panels.items(), strict=False):
+            _panel(ax, name, rs)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.suptitle(title)
     return path
 
 

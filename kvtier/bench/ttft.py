@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.args import names_from, positive_int, positive_ints
 from kvtier.bench.measure import Spread, default_device, drop_page_cache, save_results
-from kvtier.bench.output import add_output_arguments
+from kvtier.bench.output import add_output_arguments, figure
 from kvtier.bench.redis_servers import redis_server
+from kvtier.ops.argtypes import names_from, positive_int, positive_ints
 
 HELP = "time to first token on the reference engine: no cache vs hits from each tier"
 ALL_MODES = ("none", "cpu", "gpu", "disk", "disk_cold", "redis")
@@ -189,33 +189,22 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None:
     """Grouped bars: median TTFT per prompt length, one bar per mode (min-max whiskers)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     lengths = sorted({r["prompt_tokens"] for r in results})
     modes = list(dict.fromkeys(r["mode"] for r in results))
     by = {(r["prompt_tokens"], r["mode"]): r["ttft_s"] for r in results}
     width = 0.8 / len(modes)
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for j, mode in enumerate(modes):
-        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(lengths))]
-        med = [1e3 * by[(n, mode)]["median"] for n in lengths]
-        err = [[1e3 * (by[(n, mode)]["median"] - by[(n, mode)]["min"]) for n in lengths],
-               [1e3 * (by[(n, mode)]["max"] - by[(n, mode)]["median"]) for n in lengths]]
-        ax.bar(xs, med, width, yerr=err, capsize=2, label=mode)
-    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    with figure(path, dpi=90, figsize=(10, 4.5)) as (_, ax):
+        for j, mode in enumerate(modes):
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(lengths))]
+            med = [1e3 * by[(n, mode)]["median"] for n in lengths]
+            err = [[1e3 * (by[(n, mode)]["median"] - by[(n, mode)]["min"]) for n in lengths],
+                   [1e3 * (by[(n, mode)]["max"] - by[(n, mode)]["median"]) for n in lengths]]
+            ax.bar(xs, med, width, yerr=err, capsize=2, label=mode)
+        ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+        ax.set_ylabel("time to first token (ms)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.set_title(title, fontsize=10)
     return path
 
 

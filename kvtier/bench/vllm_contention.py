@@ -31,11 +31,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.args import existing_path, positive_int
-from kvtier.bench.output import add_output_arguments
+from kvtier.bench.output import add_output_arguments, figure
 from kvtier.bench.vllm_engine import kvtier_yaml
-from kvtier.bench.vllm_proc import ENV, Engine, serve
+from kvtier.bench.vllm_proc import ENV, Engine
 from kvtier.bench.vllm_steps import STEADY_STEPS
+from kvtier.ops.argtypes import existing_path, positive_int
 from kvtier.ops.models import make_llama
 
 HELP = "async kvtier loads beside a decoding batch in vLLM's CPU engine: step time with and without them"
@@ -57,7 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=positive_int, default=512, help="width of the model made here")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
     add_output_arguments(parser, "vllm_contention")
-    parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
 
 
 def decoding(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -207,13 +206,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     """Left: the batch's decode step alone, while loads are read (per-round medians), and the steps that copied
     finished loads in (summed per round). Right: per mode, the batch's extra time while the added requests waited,
     and those requests' time to first token."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     raw, table = doc["raw"], doc["results"]
-    fig, (steps, cost) = plt.subplots(1, 2, figsize=(12, 4.2))
     data, labels = [], []
     for mode, rows in raw.items():
         for key, label in (("alone_step_s", "alone"), ("during_step_s", "loads read"),
@@ -222,23 +215,21 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
             if values:
                 data.append(values)
                 labels.append(f"{mode}\n{label}")
-    steps.boxplot(data)
-    steps.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30, ha="right")
-    steps.set_ylabel("step time with the batch decoding (ms)")
     modes = list(table)
     xs = range(len(modes))
-    cost.bar([x - 0.2 for x in xs], [table[m]["extra_step_s"]["median"] * 1e3 for m in modes], 0.4,
-             label="batch's extra step time")
-    cost.bar([x + 0.2 for x in xs], [table[m]["loader_ttft_busy_s"]["median"] * 1e3 for m in modes], 0.4,
-             label="added requests' TTFT")
-    cost.set_xticks(list(xs), modes)
-    cost.set_ylabel("ms (median of rounds)")
-    cost.set_yscale("log")
-    cost.legend(fontsize=8)
-    fig.suptitle("Requests whose prefix kvtier loads asynchronously, added to a decoding batch")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(12, 4.2)) as (fig, (steps, cost)):
+        steps.boxplot(data)
+        steps.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30, ha="right")
+        steps.set_ylabel("step time with the batch decoding (ms)")
+        cost.bar([x - 0.2 for x in xs], [table[m]["extra_step_s"]["median"] * 1e3 for m in modes], 0.4,
+                 label="batch's extra step time")
+        cost.bar([x + 0.2 for x in xs], [table[m]["loader_ttft_busy_s"]["median"] * 1e3 for m in modes], 0.4,
+                 label="added requests' TTFT")
+        cost.set_xticks(list(xs), modes)
+        cost.set_ylabel("ms (median of rounds)")
+        cost.set_yscale("log")
+        cost.legend(fontsize=8)
+        fig.suptitle("Requests whose prefix kvtier loads asynchronously, added to a decoding batch")
     return path
 
 
@@ -253,9 +244,6 @@ def settings_problem(length: int, decode_tokens: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.serve:
-        serve(args.serve[0])
-        return 0
     from kvtier.bench.measure import save_results
     from kvtier.bench.redis_servers import redis_server
 
@@ -276,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
                       else None)
             spec = {"model": model, "kvtier_config": config, "prefix_caching": False,
                     "max_model_len": length + SUFFIX + args.decode_tokens + 64}
-            engine = Engine(mode, spec, workdir, env, "kvtier.bench.vllm_contention")
+            engine = Engine(mode, spec, workdir, env)
             stack.callback(engine.close)
             engines.append(engine)
         for engine in engines:
@@ -297,12 +285,3 @@ def run(args: argparse.Namespace) -> int:
         print("kvtier bench vllm-contention: loading requests' tokens differ between modes", file=sys.stderr)
     return 0 if hit and all(same.values()) else 1
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_contention")
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,8 +32,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.args import existing_path, positive_int
-from kvtier.bench.output import add_output_arguments
+from kvtier.bench.output import add_output_arguments, figure
+from kvtier.bench.vllm_proc import ENV, kvtier_transfer, llm_kwargs
+from kvtier.ops.argtypes import existing_path, positive_int
 from kvtier.ops.vllm_server import same_kvtier
 
 HELP = "TTFT and throughput of vLLM's CPU engine: no cache, vLLM's prefix cache, kvtier from each tier"
@@ -60,7 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "only then) and empty it before every request (results vllm_engine_hybrid)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
     add_output_arguments(parser, "vllm_engine")
-    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
 
 
 def kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None, chunk: int = CHUNK) -> str:
@@ -78,8 +78,6 @@ def _transfer(mode: str, config: str | None) -> dict[str, Any] | None:
     if mode.startswith("kvtier"):
         if config is None:
             raise ValueError(f"mode {mode} needs a kvtier config file")
-        from kvtier.bench.vllm_proc import kvtier_transfer
-
         return kvtier_transfer(config)
     if mode == "vllm_offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -102,12 +100,8 @@ def worker(spec_path: str, out_path: str) -> None:
 
     mode = spec["mode"]
     reset = bool(spec.get("hybrid")) and mode.startswith("kvtier")  # every hit from kvtier, none from vLLM's cache
-    kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
-                          "max_model_len": spec["max_model_len"], "enforce_eager": True,
-                          "dtype": spec.get("dtype", "float32"),
-                          "seed": 0, "max_num_seqs": max(8, spec["batch"]), "compilation_config": {"mode": 0},
-                          "enable_prefix_caching": mode in ("vllm_prefix", "vllm_offloading") or reset,
-                          "disable_log_stats": True}
+    kw = llm_kwargs(spec, max_num_seqs=max(8, spec["batch"]),
+                    enable_prefix_caching=mode in ("vllm_prefix", "vllm_offloading") or reset)
     transfer = _transfer(mode, spec.get("kvtier_config"))
     if transfer is not None:
         kw["kv_transfer_config"] = transfer
@@ -187,13 +181,11 @@ def _reset_prefix_cache(llm: Any, timeout_s: float = 5.0) -> bool:
 def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     spec_path, out_path = workdir / f"{mode}.json", workdir / f"{mode}-out.json"
     spec_path.write_text(json.dumps({**spec, "mode": mode}))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
-           "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **ENV}
     t = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", "--worker", str(spec_path),
-                               str(out_path)], env=same_kvtier(env), capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", str(spec_path), str(out_path)],
+                              env=same_kvtier(env), capture_output=True, text=True, timeout=1800)
     except subprocess.TimeoutExpired:
         return {"mode": mode, "unavailable": "engine process ran past 1800 s"}
     if proc.returncode != 0 or not out_path.exists():
@@ -290,19 +282,11 @@ def _print(table: dict[str, Any]) -> None:
                   f"{row.get('same_first_token_as_none', '')!s:>5}")
 
 
-def _plot(table: dict[str, Any]) -> Any:
-    def plot(path: Path) -> Path | None:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return None
-        fig, (ax, phases) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-        lengths = list(table)
-        modes = [m for m in ALL_MODES if any(m in table[n] and "ttft_s" in table[n][m] for n in lengths)]
-        width = 0.8 / max(1, len(modes))
+def _plot(table: dict[str, Any], path: Path) -> Path:
+    lengths = list(table)
+    modes = [m for m in ALL_MODES if any(m in table[n] and "ttft_s" in table[n][m] for n in lengths)]
+    width = 0.8 / max(1, len(modes))
+    with figure(path, 1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 2]}) as (fig, (ax, phases)):
         for i, mode in enumerate(modes):
             values = [table[n].get(mode, {}).get("ttft_s", {}).get("median", 0) * 1e3 for n in lengths]
             ax.bar([j + i * width for j in range(len(lengths))], values, width, label=mode)
@@ -313,12 +297,7 @@ def _plot(table: dict[str, Any]) -> Any:
         ax.legend(fontsize=8)
         _plot_phases(phases, table[lengths[-1]], lengths[-1])
         fig.suptitle("vLLM CPU engine", fontsize=11)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
-
-    return plot
+    return path
 
 
 def _plot_phases(ax: Any, rows: dict[str, Any], length: str) -> None:
@@ -346,9 +325,6 @@ def _plot_phases(ax: Any, rows: dict[str, Any], length: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.worker:
-        worker(*args.worker)
-        return 0
     from kvtier.bench.measure import save_results
     from kvtier.bench.redis_servers import redis_server
     from kvtier.ops.models import make_llama, make_qwen3_next
@@ -385,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     save_results(args, "vllm_engine_hybrid" if args.hybrid else "vllm_engine", {"settings": settings, "results": table,
                                        "raw": {m: {k: v for k, v in r.items() if k != "first_tokens"}
-                                               for m, r in results.items()}}, plot=_plot(table))
+                                               for m, r in results.items()}}, plot=lambda path: _plot(table, path))
     return 0
 
 
@@ -396,11 +372,5 @@ def _model_name(args: argparse.Namespace, layers: int, hidden: int) -> str:
     return args.model or f"random Llama, {layers} layers x {hidden}, float32"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_engine")
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # one engine process: python -m kvtier.bench.vllm_engine SPEC OUT
+    worker(sys.argv[1], sys.argv[2])

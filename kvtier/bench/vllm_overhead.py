@@ -34,9 +34,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.args import existing_path, key_value, non_negative_float, positive_int
 from kvtier.bench.output import add_output_arguments
-from kvtier.bench.vllm_proc import ENV, Engine, serve
+from kvtier.bench.vllm_proc import ENV, Engine
+from kvtier.ops.argtypes import existing_path, key_value, non_negative_float, positive_int
 from kvtier.ops.models import make_llama
 
 HELP = "cost of an active kvtier on requests that never hit, in vLLM's CPU engine (ratios to no connector)"
@@ -63,7 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra environment for the engine processes (repeatable)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
     add_output_arguments(parser, "vllm_overhead", chart=False)
-    parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
 
 
 def kvtier_yaml(path: Path, mode: str, chunk: int, workdir: Path, redis_url: str | None,
@@ -173,9 +172,6 @@ def _print(table: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.serve:
-        serve(args.serve[0])
-        return 0
     from kvtier.bench.measure import save_results
     from kvtier.bench.redis_servers import redis_server
 
@@ -193,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             config = (kvtier_yaml(workdir / f"{mode}.yaml", mode, args.chunk, workdir, redis_url, args.policy)
                       if mode != "none" else None)
             spec = {"model": model, "kvtier_config": config, "max_model_len": length + outputs + 64}
-            engine = Engine(mode, spec, workdir, env, "kvtier.bench.vllm_overhead")
+            engine = Engine(mode, spec, workdir, env)
             stack.callback(engine.close)
             engines.append(engine)
         for engine in engines:
@@ -209,12 +205,3 @@ def run(args: argparse.Namespace) -> int:
                                          "kvtier_counters": counters, "raw": samples})
     return 0 if all(same.values()) else 1
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_overhead")
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

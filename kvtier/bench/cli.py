@@ -13,9 +13,6 @@ import sys
 
 from kvtier.ops.cli import KvtierParser
 
-HELP = ("run a benchmark: hit-rate, throughput, ttft, overhead, vllm, vllm-overhead, vllm-contention, vllm-replay, "
-        "serve, fingerprint, copy")
-
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "hit-rate": ("kvtier.bench.hitrate_cli", "token hit rate of each eviction policy on a trace or workload"),
     "throughput": ("kvtier.bench.throughput", "store/load GB/s of each tier beside the raw limit of its medium"),

@@ -21,7 +21,6 @@ from kvtier.bench.measure import Spread, format_size, gbps, interleave, save_res
 from kvtier.bench.output import add_output_arguments
 from kvtier.ops.argtypes import positive_int
 
-HELP = "the copy of a hit into the engine's blocks beside a plain memory copy of the same bytes"
 ORDERS = ("ascending", "descending", "scattered")
 TARGET = 0.8  # the scatter should reach this fraction of a plain copy's speed
 

@@ -24,7 +24,6 @@ from kvtier.errors import KvtierError
 from kvtier.ops.argtypes import existing_path, positive_float, positive_int
 from kvtier.records.fingerprint import READ_BYTES, weight_files, weights_id
 
-HELP = "start-up cost of the weights fingerprint (stat, content hash) beside a plain read"
 TARGET_BYTES = 16 * 10**9
 
 

@@ -18,8 +18,6 @@ from kvtier.control.policy import EvictionPolicy, make_policy
 from kvtier.ops.progress import progress_bar
 from kvtier.records.keys import Key
 
-HELP = "token hit rate of each eviction policy on a trace or synthetic workload, beside Belady's"
-
 
 class DirectoryStack:
     """Tiers of one-chunk slots managed by kvtier's own ``Directory``, each ordered by its own policy."""

@@ -31,7 +31,6 @@ from kvtier.bench.measure import Spread, interleave, save_results
 from kvtier.bench.output import add_output_arguments
 from kvtier.ops.argtypes import positive_float, positive_int, positive_ints
 
-HELP = "scheduler-side cost per request with no reuse (hashing + lookup), beside prefill time"
 CHUNK = 256
 
 

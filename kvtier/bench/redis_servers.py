@@ -173,11 +173,6 @@ class RedisServer:
         self.proc.wait(timeout=10)
         self.proc = None
 
-    def restart(self) -> RedisServer:
-        """Start again on the same port (empty: nothing is persisted)."""
-        self.kill()
-        return self.start()
-
     def pause(self) -> None:
         """Freeze the process (SIGSTOP): connections stay open, nothing is answered."""
         assert self.proc is not None

@@ -54,7 +54,6 @@ from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 from kvtier.ops.progress import note, progress_bar
 from kvtier.ops.vllm_server import Samples, Server, ServerSpec, kvtier_transfer, running
 
-HELP = "a trace through vLLM's OpenAI server with concurrent clients: its prefix cache alone vs + kvtier"
 MODES: dict[str, tuple[bool, tuple[str, ...]]] = {  # mode: (vLLM's prefix cache on, kvtier's tiers)
     "prefix": (True, ()), "kvtier_cpu": (True, ("cpu",)), "kvtier_cpu_disk": (True, ("cpu", "disk")),
     "kvtier_cpu_redis": (True, ("cpu", "redis")), "kvtier_no_prefix": (False, ("cpu",)), "none": (False, ())}

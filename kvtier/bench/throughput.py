@@ -59,7 +59,6 @@ from kvtier.ops.argtypes import existing_dir, names_from, positive_int, positive
 if TYPE_CHECKING:  # imported where it is used: --help loads no torch
     import torch
 
-HELP = "store/load GB/s of each tier beside the raw limit of its medium (same run)"
 # ---- memory tiers ------------------------------------------------------------------------------------------
 
 def bench_memory(run: Runner, kind: str, chunk_bytes: int) -> None:

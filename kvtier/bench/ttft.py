@@ -30,7 +30,6 @@ from kvtier.bench.output import add_output_arguments, figure
 from kvtier.bench.redis_servers import redis_server
 from kvtier.ops.argtypes import names_from, positive_int, positive_ints
 
-HELP = "time to first token on the reference engine: no cache vs hits from each tier"
 ALL_MODES = ("none", "cpu", "gpu", "disk", "disk_cold", "redis")
 
 

@@ -38,7 +38,6 @@ from kvtier.bench.vllm_steps import STEADY_STEPS
 from kvtier.ops.argtypes import existing_path, positive_int
 from kvtier.ops.models import make_llama
 
-HELP = "async kvtier loads beside a decoding batch in vLLM's CPU engine: step time with and without them"
 MODES = ("none", "kvtier_disk", "kvtier_redis")
 SUFFIX = 16
 CHUNK = 32

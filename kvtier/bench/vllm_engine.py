@@ -37,7 +37,6 @@ from kvtier.bench.vllm_proc import ENV, kvtier_transfer, llm_kwargs
 from kvtier.ops.argtypes import existing_path, positive_int
 from kvtier.ops.vllm_server import same_kvtier
 
-HELP = "TTFT and throughput of vLLM's CPU engine: no cache, vLLM's prefix cache, kvtier from each tier"
 ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "vllm_offloading")
 SUFFIX = 16
 OUTPUT_TOKENS = 16

@@ -39,7 +39,6 @@ from kvtier.bench.vllm_proc import ENV, Engine
 from kvtier.ops.argtypes import existing_path, key_value, non_negative_float, positive_int
 from kvtier.ops.models import make_llama
 
-HELP = "cost of an active kvtier on requests that never hit, in vLLM's CPU engine (ratios to no connector)"
 MODES = ("none", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "kvtier_cpu_disk")
 METRICS = ("ttft_s", "decode_s_per_token", "step_s", "hook_ms", "kvtier_thread_ms")
 

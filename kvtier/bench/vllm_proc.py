@@ -37,7 +37,7 @@ from kvtier.bench.vllm_inproc import (
     scheduler_of,
     worker_connector,
 )
-from kvtier.ops.vllm_server import same_kvtier
+from kvtier.ops.vllm_server import kvtier_transfer, same_kvtier
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -76,12 +76,6 @@ def llm_kwargs(spec: dict[str, Any], **settings: Any) -> dict[str, Any]:
     return {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
             "max_model_len": spec["max_model_len"], "enforce_eager": True, "dtype": spec.get("dtype", "float32"),
             "seed": 0, "compilation_config": {"mode": 0}, "disable_log_stats": True, **settings}
-
-
-def kvtier_transfer(config_file: str) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` that loads kvtier with ``config_file``."""
-    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config_file}}
 
 
 def _external_tokens(llm: Any) -> list[int]:

@@ -46,7 +46,6 @@ from kvtier.bench.vllm_proc import ENV, Engine
 from kvtier.ops.argtypes import positive_float, positive_int
 from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 
-HELP = "a real trace through vLLM's CPU engine with too little KV memory: its prefix cache alone vs + kvtier"
 MODES = ("prefix", "prefix_control", "kvtier_cpu", "kvtier_cpu_disk", "kvtier_reuse2")
 BLOCK = 32  # the engine's block size (tokens)
 

@@ -42,8 +42,6 @@ from kvtier.layout import DTYPE_SIZES, GroupKind, KVCacheConfig, KVCacheGroupSpe
 from kvtier.records.fit import check_fit
 from kvtier.tiers import check_extras
 
-HELP = "validate a config file and show tier capacities in bytes, tokens and chunks (--probe: try them here)"
-
 
 @dataclass(frozen=True)
 class ModelShape:

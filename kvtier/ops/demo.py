@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from kvtier.engine.scheduler import EngineRequest
     from kvtier.engine.workload import ChatSpec
 
-HELP = "a multi-turn chat through the reference engine, without and with kvtier"
 PROG = "kvtier demo"
 P90_NOTE = ("p90 is the first turns and the requests queued behind them: nothing to reuse yet, and with kvtier "
             "they also save what they compute, so p90 can be worse with the cache while the median is better")

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from kvtier.config import KvtierConfig
     from kvtier.tiers.catalog import RecordInfo, Source
 
-HELP = "list a namespace's stored records, or show and verify one record (offline)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,7 +28,6 @@ from kvtier.tiers.catalog import IN_PROCESS
 if TYPE_CHECKING:
     from kvtier.tiers.catalog import RecordInfo, Selection, Source
 
-HELP = "delete stored records by model, namespace or age (offline; --dry-run to preview)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,6 @@ from kvtier.ops.catalog import add_common, label, load, size, table, when
 if TYPE_CHECKING:
     from kvtier.tiers.catalog import TierSummary
 
-HELP = "show what the disk and Redis tiers store, per namespace (offline)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ LMCache is installed where bootstrap puts it (.peers/lmcache)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -22,9 +23,12 @@ COUNTS = {"overhead": "--repeats", "throughput": "--repeats", "ttft": "--repeats
           "soak": "--waves", "disk_read": "--reps", "vllm_client": "--repeats"}
 
 
+@functools.cache
 def lmcache_installed() -> bool:
-    """LMCache 0.5.6 in .peers/lmcache (scripts/bootstrap.sh --vllm installs it there when pip can get it)."""
-    return (REPO / ".peers" / "lmcache" / "lmcache-0.5.6.dist-info").is_dir()
+    """LMCache 0.5.6 works from .peers/lmcache (scripts/bootstrap.sh --vllm installs it there when pip can get it),
+    as the benchmarks decide it (in a process of its own: importing LMCache here would change this one)."""
+    probe = "import sys; from benchmarks.lmcache_peer import unavailable; sys.exit(unavailable(None) is not None)"
+    return subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, timeout=120).returncode == 0
 
 
 def script(name: str, *args: str, path: str | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     bench_args = parser.parse_args(args.bench_args)
     if args.benchmark in NEEDS_VLLM_CPU:
-        from kvtier.bench.vllm_proc import cpu_build_error
+        from kvtier.bench.vllm_driver import cpu_build_error
 
         error = cpu_build_error(args.benchmark)
         if error is not None:

@@ -302,7 +302,7 @@ def failures(points: Sequence[dict[str, Any]], quick: bool) -> list[str]:
 
 def environment_problem(modes: Sequence[str]) -> str | None:
     """The one-line error for a missing vLLM CPU build, or a Redis mode without redis-server."""
-    from kvtier.bench.vllm_proc import cpu_build_error
+    from kvtier.bench.vllm_driver import cpu_build_error
 
     problem = cpu_build_error("serve")
     if problem is not None:

@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.output import add_output_arguments, figure
+from kvtier.bench.vllm_driver import ENV, STEADY_STEPS, Engine
 from kvtier.bench.vllm_engine import kvtier_yaml
-from kvtier.bench.vllm_proc import ENV, Engine
-from kvtier.bench.vllm_steps import STEADY_STEPS
 from kvtier.ops.argtypes import existing_path, positive_int
 from kvtier.ops.models import make_llama
 

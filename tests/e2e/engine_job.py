@@ -26,13 +26,6 @@ from typing import Any
 T0 = time.perf_counter()
 
 
-def worker_connector() -> Any:
-    """The worker-side connector of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
-
-
 def kvtier_totals(connector: Any) -> dict[str, float] | None:
     if connector is None:
         return None
@@ -47,13 +40,12 @@ def kvtier_totals(connector: Any) -> dict[str, float] | None:
 
 
 def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's ``LLM`` arguments for a job spec: the tiny model, and kvtier (alone or chained) when it asks."""
-    kw: dict[str, Any] = {
-        "model": spec["model"], "skip_tokenizer_init": True, "block_size": 32, "max_model_len": 1024,
-        "enforce_eager": True, "dtype": spec.get("dtype", "float32"), "seed": 0, "max_num_seqs": 8,
-        "enable_prefix_caching": bool(spec.get("prefix_caching", False)), "compilation_config": {"mode": 0},
-        "disable_log_stats": True,
-    }
+    """vLLM's ``LLM`` arguments for a job spec: the tiny model with the settings of every benchmark engine
+    (kvtier.bench.vllm_driver.llm_kwargs), and kvtier (alone or chained) when it asks."""
+    from kvtier.bench.vllm_driver import llm_kwargs
+
+    kw = llm_kwargs({**spec, "max_model_len": 1024}, max_num_seqs=8,
+                    enable_prefix_caching=bool(spec.get("prefix_caching", False)))
     if spec.get("attention_backend"):
         kw["attention_backend"] = spec["attention_backend"]
     extra = {"config_file": spec["kvtier_config"], **spec.get("extra", {})} if spec.get("kvtier_config") else {}
@@ -101,6 +93,8 @@ def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     from vllm import LLM
+
+    from kvtier.bench.vllm_driver import worker_connector
 
     t = time.perf_counter()
     llm = LLM(**engine_args(spec))

@@ -21,7 +21,6 @@ engine's count of cached tokens).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.output import add_output_arguments, figure
-from kvtier.bench.vllm_driver import ENV, STEADY_STEPS, Engine
+from kvtier.bench.vllm_driver import STEADY_STEPS, Engine, start_engines
 from kvtier.bench.vllm_engine import kvtier_yaml
 from kvtier.ops.argtypes import existing_path, positive_int
 from kvtier.ops.models import make_llama
@@ -255,18 +254,12 @@ def run(args: argparse.Namespace) -> int:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-contention-")))
         model = args.model or make_llama(str(workdir), layers, hidden)
         redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **ENV}
-        engines = []
-        for mode in args.modes:
-            config = (kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url, CHUNK) if mode != "none"
-                      else None)
-            spec = {"model": model, "kvtier_config": config, "prefix_caching": False,
-                    "max_model_len": length + SUFFIX + args.decode_tokens + 64}
-            engine = Engine(mode, spec, workdir, env)
-            stack.callback(engine.close)
-            engines.append(engine)
-        for engine in engines:
-            engine.ready()
+        specs = {mode: {"model": model, "prefix_caching": False,
+                        "max_model_len": length + SUFFIX + args.decode_tokens + 64,
+                        "kvtier_config": (kvtier_yaml(workdir / f"{mode}.yaml", mode, workdir, redis_url, CHUNK)
+                                          if mode != "none" else None)}
+                 for mode in args.modes}
+        engines = start_engines(stack, specs, workdir)
         samples = measure(engines, args, length, rounds)
     table = summarize(samples, length)
     same = same_tokens(samples)

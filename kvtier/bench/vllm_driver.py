@@ -40,7 +40,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -521,6 +522,23 @@ def serve(spec_path: str) -> None:
                           "cached": int(out.num_cached_tokens or 0), "external": external[0],
                           "tokens": list(out.outputs[0].token_ids), "hook_s": hooks.seconds,
                           "kvtier_thread_s": kvtier_thread_seconds() - cpu0}), flush=True)
+
+
+def start_engines(stack: ExitStack, specs: Mapping[str, dict[str, Any]], workdir: Path,
+                  env: Mapping[str, str] | None = None) -> list[Engine]:
+    """One engine process per mode (``specs``: mode -> spec), started side by side, each closed with ``stack``;
+    returned once all are ready. Their environment: this one, a 1 GiB KV cache, a vLLM cache in ``workdir``,
+    ``env``, then ``ENV``."""
+    full = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+            **(env or {}), **ENV}  # ENV last: the benchmark drives the engine in-process
+    engines = []
+    for mode, spec in specs.items():
+        engine = Engine(mode, spec, workdir, full)
+        stack.callback(engine.close)
+        engines.append(engine)
+    for engine in engines:
+        engine.ready()
+    return engines
 
 
 class Engine:

@@ -23,7 +23,6 @@ and to ``none`` (``vs_none``, paired prompt by prompt); every mode's tokens are 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.output import add_output_arguments
-from kvtier.bench.vllm_driver import ENV, Engine
+from kvtier.bench.vllm_driver import Engine, start_engines
 from kvtier.ops.argtypes import existing_path, key_value, non_negative_float, positive_int
 from kvtier.ops.models import make_llama
 
@@ -181,18 +180,11 @@ def run(args: argparse.Namespace) -> int:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-overhead-")))
         model = args.model or make_llama(str(workdir), layers, hidden)
         redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **extra,
-               **ENV}  # ENV last: the benchmark drives the engine in-process
-        engines = []
-        for mode in args.modes:
-            config = (kvtier_yaml(workdir / f"{mode}.yaml", mode, args.chunk, workdir, redis_url, args.policy)
-                      if mode != "none" else None)
-            spec = {"model": model, "kvtier_config": config, "max_model_len": length + outputs + 64}
-            engine = Engine(mode, spec, workdir, env)
-            stack.callback(engine.close)
-            engines.append(engine)
-        for engine in engines:
-            engine.ready()
+        specs = {mode: {"model": model, "max_model_len": length + outputs + 64,
+                        "kvtier_config": (kvtier_yaml(workdir / f"{mode}.yaml", mode, args.chunk, workdir, redis_url,
+                                                      args.policy) if mode != "none" else None)}
+                 for mode in args.modes}
+        engines = start_engines(stack, specs, workdir, extra)
         samples, same = measure(engines, rounds, length, outputs, max(1, args.burst), args.settle)
         counters = {e.mode: e.flush() for e in engines if e.mode != "none"}
     table = summarize(samples)

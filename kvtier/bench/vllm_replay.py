@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -42,7 +41,7 @@ from typing import Any
 
 from kvtier.bench.hitrate import DEFAULT_TRACE
 from kvtier.bench.output import add_output_arguments, figure
-from kvtier.bench.vllm_driver import ENV, Engine
+from kvtier.bench.vllm_driver import Engine, start_engines
 from kvtier.ops.argtypes import positive_float, positive_int
 from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 
@@ -219,17 +218,10 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-replay-")))
         model = make_llama(str(workdir), layers, hidden)
-        env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
-        engines = []
-        for mode in args.modes:
-            spec = {"model": model, "kvtier_config": _kvtier_yaml(workdir, mode, args.chunk, tier_bytes),
-                    "max_model_len": args.max_prompt + args.output_tokens + 32,
-                    "engine": {"num_gpu_blocks_override": blocks}}
-            engine = Engine(mode, spec, workdir, env)
-            stack.callback(engine.close)
-            engines.append(engine)
-        for engine in engines:
-            engine.ready()
+        specs = {mode: {"model": model, "kvtier_config": _kvtier_yaml(workdir, mode, args.chunk, tier_bytes),
+                        "max_model_len": args.max_prompt + args.output_tokens + 32,
+                        "engine": {"num_gpu_blocks_override": blocks}} for mode in args.modes}
+        engines = start_engines(stack, specs, workdir)
         rows = replay(engines, prompts, args.output_tokens, max(1, args.block))
         counters = {e.mode: e.flush() for e in engines if not e.mode.startswith("prefix")}
     summary = summarize(rows)

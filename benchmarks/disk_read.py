@@ -183,30 +183,38 @@ async def measure_size(size: int, count: int, reps: int, work: str,
         Path(paths[-1]).write_bytes(payload.numpy().tobytes())
     dest = torch.ones(count * size, dtype=torch.uint8)  # touched: the first timed round pays no page faults
     tier, keys = await _tier(os.path.join(work, f"tier-{size}"), payloads)
-    lmcache = _peer(size, payloads, work) if peer else None
-
-    async def kvtier_get() -> list[torch.Tensor | None]:
-        return await tier.get(keys)  # views of one buffer's slots (of a record's own buffer, one record)
-
-    async def lmcache_get() -> list[torch.Tensor]:
-        assert lmcache is not None
-        return lmcache.get()  # the previous get's records go back to LMCache's allocator first
-
-    ways = {**(_aiofiles_ways(paths, dest, size) if importlib.util.find_spec("aiofiles") else {}),
-            **_thread_ways(paths, dest, size), "kvtier DiskTier.get": kvtier_get,
-            **({PEER: lmcache_get} if lmcache is not None else {})}
+    lmcache: lmcache_peer.LmcachePeer | None = None
     try:
-        return await _timed(ways, payloads, dest, reps)
+        if peer:
+            lmcache = _peer(size, payloads, work)
+        return await _timed(_ways(paths, dest, size, tier, keys, lmcache), payloads, dest, reps, lmcache)
     finally:
         await tier.close()
         if lmcache is not None:
             lmcache.close()
 
 
-async def _timed(ways: dict[str, Read], payloads: list[torch.Tensor], dest: torch.Tensor,
-                 reps: int) -> dict[str, tuple[float, float]]:
+def _ways(paths: list[str], dest: torch.Tensor, size: int, tier: DiskTier, keys: list[Key],
+          lmcache: lmcache_peer.LmcachePeer | None) -> dict[str, Read]:
+    """Every way of reading the batch, by name (aiofiles' when it is installed, LMCache's with ``lmcache``)."""
+
+    async def kvtier_get() -> list[torch.Tensor | None]:
+        return await tier.get(keys)  # views of one buffer's slots (of a record's own buffer, one record)
+
+    async def lmcache_get() -> list[torch.Tensor]:
+        assert lmcache is not None
+        return lmcache.get()
+
+    return {**(_aiofiles_ways(paths, dest, size) if importlib.util.find_spec("aiofiles") else {}),
+            **_thread_ways(paths, dest, size), "kvtier DiskTier.get": kvtier_get,
+            **({PEER: lmcache_get} if lmcache is not None else {})}
+
+
+async def _timed(ways: dict[str, Read], payloads: list[torch.Tensor], dest: torch.Tensor, reps: int,
+                 lmcache: lmcache_peer.LmcachePeer | None = None) -> dict[str, tuple[float, float]]:
     """Each way's bytes checked against the payloads, then its median wall and CPU seconds over ``reps`` rounds
-    (the order of the ways rotates every round)."""
+    (the order of the ways rotates every round). LMCache's records of a get go back to its allocator after it,
+    outside the timing, as kvtier's buffers go back to its pool when the results are dropped."""
     expected = torch.cat(payloads)
     for name, read in ways.items():  # every way reads right (and the page cache is warm)
         dest.zero_()
@@ -224,6 +232,8 @@ async def _timed(ways: dict[str, Read], payloads: list[torch.Tensor], dest: torc
             await ways[name]()
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+            if lmcache is not None:
+                lmcache.release()
     return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in ways}
 
 

@@ -90,8 +90,7 @@ class LmcachePeer:
         # room for the batch written, the batch read back and the backend's own staging
         room = max(1.0, 3 * count * size / GB)
         options: dict[str, Any] = dict(chunk_size=CHUNK_TOKENS, local_cpu=False, max_local_cpu_size=room,
-                                       remote_serde="naive", save_unfull_chunk=False,
-                                       extra_config={"resp_num_threads": 2})
+                                       remote_serde="naive", save_unfull_chunk=False)
         if url is not None:
             options["remote_url"] = url
         elif disk is not None:
@@ -99,13 +98,19 @@ class LmcachePeer:
         config = LMCacheEngineConfig.from_defaults(**options)
         meta = LMCacheMetadata(model_name=name, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                                kv_dtype=torch.bfloat16, kv_shape=(self.layers, 2, CHUNK_TOKENS, 8, WIDTH // 8))
+        self.keys = [CacheEngineKey(name, 1, 0, i, torch.bfloat16) for i in range(count)]
+        self._held: list[Any] = []
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="lmcache-loop", daemon=True)
         self._thread.start()
-        self.cpu = LocalCPUBackend(config, meta, dst_device="cpu")
-        self.backend = self._backend(config, meta, url)
-        self.keys = [CacheEngineKey(name, 1, 0, i, torch.bfloat16) for i in range(count)]
-        self._held: list[Any] = []
+        self.cpu: Any = None
+        self.backend: Any = None
+        try:
+            self.cpu = LocalCPUBackend(config, meta, dst_device="cpu")
+            self.backend = self._backend(config, meta, url)
+        except BaseException:
+            self.close()
+            raise
 
     def _backend(self, config: Any, meta: Any, url: str | None) -> Any:
         if url is not None:
@@ -129,7 +134,8 @@ class LmcachePeer:
         return objs
 
     def put(self, objs: list[Any], timeout: float = 120.0) -> None:
-        """Write the staged records; return once LMCache reports every key written."""
+        """Write the staged records; return once LMCache's completion callback has fired for every key (what is
+        timed: ``stored`` asks the backend afterwards)."""
         left = len(objs)
         done = threading.Event()
         lock = threading.Lock()
@@ -142,12 +148,16 @@ class LmcachePeer:
                     done.set()
 
         self.backend.batched_submit_put_task(self.keys[:len(objs)], objs, on_complete_callback=written)
-        if not done.wait(timeout) or not all(self.backend.contains(k) for k in self.keys[:len(objs)]):
-            raise RuntimeError(f"LMCache stored {len(objs) - left} of {len(objs)} records")
+        if not done.wait(timeout):
+            raise RuntimeError(f"LMCache stored {len(objs) - left} of {len(objs)} records in {timeout:.0f} s")
+
+    def stored(self, count: int) -> bool:
+        """Whether the backend holds the first ``count`` records (one existence check per key)."""
+        return all(self.backend.contains(k) for k in self.keys[:count])
 
     def get(self) -> list[torch.Tensor]:
         """Read every record back (LMCache's ``resp://`` get of an absent key hangs: call after ``put``). The
-        records of the previous get go back to LMCache's allocator first, as an engine releases them."""
+        records of the previous get go back to LMCache's allocator first, unless ``release`` did already."""
         self.release()
         got = self.backend.batched_get_blocking(self.keys)
         if any(obj is None for obj in got):
@@ -164,14 +174,19 @@ class LmcachePeer:
 
     def close(self) -> None:
         """Stop the backend and free LMCache's CPU memory, within ``2 * CLOSE_WAIT_S`` whatever it does."""
-        self.release()
-        _unblock_close(getattr(self.backend, "connection", None))
-        closing = threading.Thread(target=self.backend.close, name="lmcache-close", daemon=True)
-        closing.start()
-        closing.join(CLOSE_WAIT_S)
-        self.cpu.close()
+        if self.cpu is not None:
+            self.release()
+        if self.backend is not None:
+            _unblock_close(getattr(self.backend, "connection", None))
+            closing = threading.Thread(target=self.backend.close, name="lmcache-close", daemon=True)
+            closing.start()
+            closing.join(CLOSE_WAIT_S)
+        if self.cpu is not None:
+            self.cpu.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(CLOSE_WAIT_S)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 def _unblock_close(connection: Any) -> None:

@@ -81,7 +81,7 @@ $PIP install -q -c .venv/torch-pin.txt -e '.[dev]'
 # LMCache's storage backends, measured beside kvtier's tiers by benchmarks/redis_bandwidth.py and disk_read.py
 if [ "$WITH_VLLM" = 1 ] && [ ! -d .peers/lmcache/lmcache-0.5.6.dist-info ]; then
   rm -rf .peers/lmcache
-  $PIP install -q --no-deps --target .peers/lmcache lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10 \
+  $PIP install -q --no-deps --only-binary=:all: --target .peers/lmcache lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10 \
     || echo "bootstrap: note: LMCache 0.5.6 not installed: the benchmarks leave out its rows" >&2
 fi
 echo "bootstrap: $(.venv/bin/python -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"

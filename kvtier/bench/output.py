@@ -125,11 +125,18 @@ def save_results(args: Any, benchmark: str, body: Mapping[str, Any],
     return path
 
 
+class NoMatplotlib(ImportError):
+    """matplotlib cannot be imported: the results stand without their chart."""
+
+
 @contextlib.contextmanager
 def figure(path: Path, rows: int = 1, cols: int = 1, dpi: int = 110, **subplots: Any) -> Iterator[tuple[Any, Any]]:
     """A matplotlib figure (Agg backend) and its axes for the chart at ``path``: laid out, saved and closed when the
-    block ends (closed too when it fails). ImportError without matplotlib, which ``save_results`` notes."""
-    import matplotlib
+    block ends (closed too when it fails). ``NoMatplotlib`` without matplotlib, which ``save_results`` notes."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise NoMatplotlib(str(exc)) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -149,7 +156,7 @@ def _draw(plot: Callable[[Path], Path | None], png: Path) -> tuple[Path | None, 
     try:
         png.parent.mkdir(parents=True, exist_ok=True)
         drawn = plot(png)
-    except ImportError:
+    except NoMatplotlib:
         drawn = None
     except Exception as exc:  # a chart is optional: its failure must not lose the measurements
         print(f"kvtier: warning: no chart ({type(exc).__name__}: {exc})", file=sys.stderr)

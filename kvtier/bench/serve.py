@@ -381,4 +381,3 @@ def report(args: argparse.Namespace, doc: dict[str, Any]) -> int:
     for line in found:
         print(f"kvtier bench serve: check failed: {line}", file=sys.stderr)
     return 1 if found else 0
-

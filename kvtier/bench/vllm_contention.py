@@ -275,4 +275,3 @@ def run(args: argparse.Namespace) -> int:
     if not all(same.values()):
         print("kvtier bench vllm-contention: loading requests' tokens differ between modes", file=sys.stderr)
     return 0 if hit and all(same.values()) else 1
-

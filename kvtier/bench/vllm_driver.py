@@ -459,7 +459,7 @@ def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer, list[floa
     from vllm import LLM
 
     hooks = HookTimer()
-    kw = llm_kwargs(spec, enable_prefix_caching=spec.get("prefix_caching", True), **spec.get("engine", {}))
+    kw = llm_kwargs(spec, **{"enable_prefix_caching": spec.get("prefix_caching", True), **spec.get("engine", {})})
     if spec.get("kvtier_config"):
         from kvtier.integrations.vllm import KVTierConnector
 
@@ -600,6 +600,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
 
 if __name__ == "__main__":  # the engine process of every ``Engine``: python -m kvtier.bench.vllm_driver SPEC
     serve(sys.argv[1])

@@ -195,4 +195,3 @@ def run(args: argparse.Namespace) -> int:
     save_results(args, "vllm_overhead", {"settings": settings, "results": table, "same_tokens_as_none": same,
                                          "kvtier_counters": counters, "raw": samples})
     return 0 if all(same.values()) else 1
-

@@ -235,4 +235,3 @@ def run(args: argparse.Namespace) -> int:
     save_results(args, "vllm_replay", {"settings": settings, "results": summary, "kvtier_counters": counters,
                                        "raw": raw}, plot=lambda path: _plot(summary, settings, path))
     return 0
-

@@ -106,7 +106,6 @@ def is_stale_temp(path: str, name: str, now: float) -> bool:
     return age > STALE_TMP_SECONDS or not _pid_alive(pid)
 
 
-
 def _check_record(path: str, key: Key, size: int, max_raw: int) -> None:
     with open(path, "rb") as f:
         head = f.read(HEADER_SIZE)

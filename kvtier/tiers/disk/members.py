@@ -119,4 +119,3 @@ class MemberFiles:
 
 def _dump(member: dict[str, Any]) -> str:
     return json.dumps(member, sort_keys=True, separators=(",", ":"))
-

@@ -111,7 +111,7 @@ def worker(spec_path: str, out_path: str) -> None:
         result["unavailable"] = f"{type(exc).__name__}: {exc}"[:500]
         Path(out_path).write_text(json.dumps(result))
         return
-    from kvtier.bench.vllm_driver import PhaseTimer, medium_alone
+    from kvtier.bench.vllm_inproc import PhaseTimer, medium_alone
 
     phases = PhaseTimer()
     phases.install(llm)
@@ -134,7 +134,7 @@ def worker(spec_path: str, out_path: str) -> None:
 
     for length in prompts.values():  # populate: the prefix's chunks are saved (kvtier) or cached (vLLM)
         generate([length["prefix"] + length["suffixes"][0]], first)
-    from kvtier.bench.vllm_driver import flush_kvtier
+    from kvtier.bench.vllm_inproc import flush_kvtier
 
     flush_kvtier()  # saves are written in the background: wait for them where kvtier's worker is in this process
     time.sleep(0.5)
@@ -230,7 +230,7 @@ PHASES = ("lookup", "medium_wait", "copy", "handoff", "compute", "engine")
 
 
 def _breakdown(res: dict[str, Any], n: str, median: float, best: float | None) -> dict[str, Any]:
-    """One mode's median phases of a hit (kvtier.bench.vllm_driver.PhaseTimer), the medium's own time for the same
+    """One mode's median phases of a hit (kvtier.bench.vllm_inproc.PhaseTimer), the medium's own time for the same
     bytes, and the extra time over vLLM's prefix cache as a multiple of it."""
     import statistics
 

@@ -94,7 +94,7 @@ def main(spec_path: str, out_path: str) -> None:
         spec = json.load(f)
     from vllm import LLM
 
-    from kvtier.bench.vllm_driver import worker_connector
+    from kvtier.bench.vllm_inproc import worker_connector
 
     t = time.perf_counter()
     llm = LLM(**engine_args(spec))

@@ -1,11 +1,11 @@
-"""The breakdown of a hit's time to first token (kvtier.bench.vllm_driver.PhaseTimer): its phases add up to the
+"""The breakdown of a hit's time to first token (kvtier.bench.vllm_inproc.PhaseTimer): its phases add up to the
 request's time and each is the part of the timeline it names, whatever overlaps on the I/O loop."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.vllm_driver import PhaseTimer, overlap, union
+from kvtier.bench.vllm_inproc import PhaseTimer, overlap, union
 
 
 def test_union_merges_overlapping_spans_in_order() -> None:

@@ -13,10 +13,14 @@ each, vLLM's prefix cache on in all:
   settings differ here (the noise any other mode's ratio to ``prefix`` carries);
 * ``kvtier_cpu``: + kvtier with a cpu tier of ``--tier-memory`` times the engine's KV memory;
 * ``kvtier_cpu_disk``: + that cpu tier and a disk tier behind it (holds the whole working set);
-* ``kvtier_reuse2``: ``kvtier_cpu`` with ``store_threshold: 2`` (only prefixes seen before are saved).
+* ``kvtier_reuse2``: ``kvtier_cpu`` with ``store_threshold: 2`` (only prefixes seen before are saved);
+* ``kvtier_cpu_learned``: ``kvtier_cpu`` with ``admission: learned`` (only classes of requests whose chunks are asked
+  for again past vLLM's own cache are saved).
 
-Requests go one at a time, in trace order, to each engine; the engines take turns in blocks of ``--block``
-requests (a shuffled order per block), and an engine flushes its saves (untimed) at the end of its block.
+``--one-off SHARE`` mixes in prompts sent once (``--max-prompt`` random tokens, SHARE per trace request on
+average): documents asked about once beside the trace's conversations, which a cache that saves every chunk
+stores to no use. Requests go one at a time, in trace order, to each engine; the engines take turns in blocks of
+``--block`` requests (a shuffled order per block), and an engine flushes its saves (untimed) at the end of its block.
 Per mode: the summed request time, TTFT p50/p90, the token hit rate split into vLLM's prefix cache and kvtier
 (the tokens kvtier was asked to load), and whether every completion equals ``prefix``'s (greedy).
 
@@ -42,10 +46,10 @@ from typing import Any
 from kvtier.bench.hitrate import DEFAULT_TRACE
 from kvtier.bench.output import add_output_arguments, figure
 from kvtier.bench.vllm_driver import Engine, start_engines
-from kvtier.ops.argtypes import positive_float, positive_int
+from kvtier.ops.argtypes import non_negative_float, positive_float, positive_int
 from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 
-MODES = ("prefix", "prefix_control", "kvtier_cpu", "kvtier_cpu_disk", "kvtier_reuse2")
+MODES = ("prefix", "prefix_control", "kvtier_cpu", "kvtier_cpu_disk", "kvtier_reuse2", "kvtier_cpu_learned")
 BLOCK = 32  # the engine's block size (tokens)
 
 
@@ -59,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine KV memory, share of the working set")
     parser.add_argument("--tier-memory", type=positive_float, default=4.0,
                         help="cpu tier size, times the engine's KV memory")
+    parser.add_argument("--one-off", type=non_negative_float, default=0.0, metavar="SHARE",
+                        help="one-off prompts (--max-prompt random tokens, never sent again) mixed in per trace "
+                             "request, on average: documents asked about once beside the trace's conversations")
     parser.add_argument("--chunk", type=positive_int, default=32, help="kvtier chunk size (tokens)")
     parser.add_argument("--block", type=positive_int, default=25, help="requests per engine turn")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -91,6 +98,18 @@ def scaled_prompts(path: Path, requests: int, block_tokens: int, max_prompt: int
     return prompts
 
 
+def with_one_offs(prompts: Sequence[list[int]], share: float, length: int) -> list[list[int]]:
+    """``prompts`` with one-off prompts of ``length`` random tokens mixed in, ``share`` per prompt on average (a
+    seeded geometric number before each)."""
+    rng = random.Random(11)
+    out: list[list[int]] = []
+    for prompt in prompts:
+        while share and rng.random() < share / (1 + share):
+            out.append([rng.randrange(3, 1000) for _ in range(length)])
+        out.append(prompt)
+    return out
+
+
 def working_set_tokens(prompts: Sequence[Sequence[int]], block_tokens: int) -> int:
     """Tokens of every distinct (prefix, block) of the prompts: what a cache holding everything would hold."""
     seen: set[tuple[int, ...]] = set()
@@ -107,9 +126,10 @@ def _kvtier_yaml(workdir: Path, mode: str, chunk: int, tier_bytes: int) -> str |
     if mode == "kvtier_cpu_disk":
         tiers.append(f"{{name: disk, kind: disk, capacity: 8GiB, path: {workdir / 'kv-disk'}}}")
     threshold = 2 if mode == "kvtier_reuse2" else 1
+    admission = "learned" if mode.endswith("_learned") else "all"
     path = workdir / f"{mode}.yaml"
     path.write_text(f"chunk_size: {chunk}\ntiers: [{', '.join(tiers)}]\n"
-                    f"policy: {{write: write_back, store_threshold: {threshold}}}\n")
+                    f"policy: {{write: write_back, store_threshold: {threshold}, admission: {admission}}}\n")
     return str(path)
 
 
@@ -197,8 +217,9 @@ def _plot(summary: dict[str, Any], settings: dict[str, Any], path: Path) -> Path
         right.legend(fontsize=8)
         for ax in (left, right):
             ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-        fig.suptitle(f"{settings['requests']} Mooncake requests through vLLM's CPU engine, KV memory "
-                     f"{settings['memory']:.0%} of the working set")
+        extra = settings.get("prompts", settings["requests"]) - settings["requests"]
+        fig.suptitle(f"{settings['requests']} Mooncake requests{f' + {extra} one-off prompts' if extra else ''} "
+                     f"through vLLM's CPU engine, KV memory {settings['memory']:.0%} of the working set")
     return path
 
 
@@ -211,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     requests, layers, hidden = (150, 2, 256) if args.quick else (args.requests, args.layers, args.hidden)
     prompts = scaled_prompts(trace, requests, args.block_tokens, args.max_prompt)
-    ws_tokens = working_set_tokens(prompts, args.block_tokens)
+    ws_tokens = working_set_tokens(prompts, args.block_tokens)  # the trace's: one-off prompts are never reused
+    prompts = with_one_offs(prompts, args.one_off, args.max_prompt)
     one_request = math.ceil((args.max_prompt + args.output_tokens) / BLOCK) + 2
     blocks = max(math.ceil(ws_tokens * args.memory / BLOCK), one_request)
     tier_bytes = int(blocks * BLOCK * llama_kv_bytes_per_token(layers, hidden) * args.tier_memory)
@@ -228,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     _print(summary)
     settings = {"trace": str(trace), "requests": requests, "block_tokens": args.block_tokens,
                 "max_prompt": args.max_prompt, "output_tokens": args.output_tokens, "memory": args.memory,
+                "one_off": args.one_off, "prompts": len(prompts),
                 "working_set_tokens": ws_tokens, "engine_blocks": blocks, "cpu_tier_bytes": tier_bytes,
                 "chunk_size": args.chunk, "turn_block": args.block, "pids": {e.mode: e.pid for e in engines},
                 "model": f"random Llama, {layers} layers x {hidden}, float32"}

@@ -51,6 +51,7 @@ from kvtier.config.parse import (
     unwrap,
 )
 from kvtier.config.tree import (
+    ADMISSIONS,
     DURATION_FIELDS,
     EVICTION_POLICIES,
     MEMORY_KINDS,
@@ -251,6 +252,13 @@ def _field_value(name: str, annotation: str, value: Any, path: str, env: Mapping
         return choice(value, path, EVICTION_POLICIES, "eviction policy")
     if name == "weights":
         return choice(value, path, WEIGHT_MODES, "weights fingerprint mode")
+    if name == "admission":
+        return choice(value, path, ADMISSIONS, "save admission")
+    if name == "admission_min_reuse":
+        share = as_float(value, path)
+        if not 0 <= share <= 1:
+            raise ConfigError(path, f"must be between 0 and 1, got {share}", "e.g. 0.1: one reuse per ten chunks")
+        return share
     if name == "compression":
         text = choice(value, path, COMPRESSIONS, "compression")
         return None if text == "none" else text

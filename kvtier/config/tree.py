@@ -18,6 +18,7 @@ from kvtier.layout import GroupKind
 # kvtier.records.fingerprint); tests/control/test_policy.py checks that they serve exactly these.
 EVICTION_POLICIES = ("lru", "prefix_lru", "arc", "s3fifo", "prefix_hd", "adaptive")
 WEIGHT_MODES = ("auto", "stat", "content", "off")
+ADMISSIONS = ("all", "learned")
 
 
 class TierKind(StrEnum):
@@ -119,6 +120,11 @@ class PolicyConfig:
     # a chunk is saved once this many requests have asked for it (1: every computed chunk; 2: only prefixes seen
     # before, so one-off prompts cost no save)
     store_threshold: int = 1
+    # which requests save their chunks: "learned": only classes of requests whose chunks are asked for again,
+    # beyond the engine's own prefix cache, at least admission_min_reuse times per chunk offered
+    # (kvtier.connector.scheduler.admission); "all": every computed chunk
+    admission: str = "learned"
+    admission_min_reuse: float = 0.1
     # saves queued on a worker and not yet written (bytes): a step's saves past it are skipped (counted), so a
     # medium slower than the engine never builds an unbounded queue of held blocks and copies
     save_backlog: int = 256 << 20

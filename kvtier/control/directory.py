@@ -135,6 +135,14 @@ class Directory:
         with self._lock:
             self.stats.unplaced += n
 
+    def count_admission(self, admitted: bool, n: int) -> None:
+        """Chunks offered for saving that the save admission (kvtier.connector.scheduler.admission) took or declined."""
+        with self._lock:
+            if admitted:
+                self.stats.admitted += n
+            else:
+                self.stats.declined += n
+
     def contains(self, tier: str, key: Key) -> bool:
         with self._lock:
             return self._tiers[tier].ready(key)

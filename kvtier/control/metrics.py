@@ -25,7 +25,7 @@ read it, and a Prometheus exposition would too. Names:
                 loaded:<tier>:<group> (chunks by tier and group), loaded_tokens:<tier>:<group> (``hit_tokens``)
     tiers       tier_<name>_<field> for every field of the tier's stats (e.g. tier_disk_reads_cached);
                 ``tier_gauges``: gauge:used_bytes|capacity_bytes|breaker_state:<tier>:<rank>
-    directory   directory_<field> (lookups, hits, evictions, demotions, refused, unplaced),
+    directory   directory_<field> (lookups, hits, evictions, demotions, refused, unplaced, admitted, declined),
                 directory_evictions_<tier>
 
 Per-tier and per-group keys appear once something was counted under them; :func:`nonzero` drops zeros (a
@@ -136,6 +136,8 @@ class DirectoryStats:
     demotions: int = 0
     refused: int = 0
     unplaced: int = 0
+    admitted: int = 0  # chunks offered for saving that the save admission took (policy.admission)
+    declined: int = 0  # and those it declined
     evictions_by_tier: dict[str, int] = field(default_factory=dict)
 
 

@@ -59,6 +59,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvtier_evictions_total", "counter", "Chunks evicted from a tier", ("tier",)),
     Metric("kvtier_demotions_total", "counter", "Chunks moved to a slower tier on eviction"),
     Metric("kvtier_unplaced_chunks_total", "counter", "Chunks no tier of their chain took"),
+    Metric("kvtier_save_admission_chunks_total", "counter", "Chunks offered for saving, by the admission's decision",
+           ("decision",)),
     Metric("kvtier_corrupt_records_total", "counter", "Records that failed verification (a miss)", ("tier",)),
     Metric("kvtier_tier_errors_total", "counter", "Failed tier operations", ("tier", "kind")),
     Metric("kvtier_breaker_opens_total", "counter", "Times a Redis tier's circuit breaker opened", ("tier",)),
@@ -92,6 +94,8 @@ _WORKER: dict[str, tuple[str, dict[str, str]]] = {
     "directory_hits": ("kvtier_lookup_hit_chunks_total", {"tier": "local"}),
     "directory_demotions": ("kvtier_demotions_total", {}),
     "directory_unplaced": ("kvtier_unplaced_chunks_total", {}),
+    "directory_admitted": ("kvtier_save_admission_chunks_total", {"decision": "admitted"}),
+    "directory_declined": ("kvtier_save_admission_chunks_total", {"decision": "declined"}),
 }
 _LABELLED = {"loaded": ("kvtier_hit_chunks_total", ("tier", "group")),
              "loaded_tokens": ("kvtier_hit_tokens_total", ("tier", "group")),

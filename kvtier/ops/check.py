@@ -220,7 +220,8 @@ def policy_as_read(cfg: KvtierConfig) -> dict[str, Any]:
     """Every policy setting as kvtier read it, sizes and durations with their unit."""
     policy = cfg.policy
     return {"eviction": policy.eviction, "write": policy.write.value, "promote_on_hit": policy.promote_on_hit,
-            "store_threshold": policy.store_threshold, "save_backlog": format_size(policy.save_backlog),
+            "store_threshold": policy.store_threshold, "admission": policy.admission,
+            "admission_min_reuse": policy.admission_min_reuse, "save_backlog": format_size(policy.save_backlog),
             "persist_after_idle": _seconds(policy.persist_after_idle),
             "persist_max_lag": _seconds(policy.persist_max_lag), "persist_at_close": _seconds(policy.persist_at_close)}
 

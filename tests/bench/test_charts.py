@@ -27,6 +27,8 @@ CHARTS: dict[str, Callable[[dict[str, Any], Path], Any]] = {
     "vllm_engine": lambda doc, path: vllm_engine._plot(doc["results"], path),
     "vllm_engine_hybrid": lambda doc, path: vllm_engine._plot(doc["results"], path),
     "vllm_replay": lambda doc, path: vllm_replay._plot(doc["results"], doc["settings"], path),
+    "vllm_replay_learned": lambda doc, path: vllm_replay._plot(doc["results"], doc["settings"], path),
+    "vllm_replay_one_off": lambda doc, path: vllm_replay._plot(doc["results"], doc["settings"], path),
 }
 
 

@@ -108,7 +108,8 @@ def test_tier_and_directory_keys() -> None:
     assert {f"tier_disk_{k}" for k in TierStats().as_dict()} <= set(numbers)
     assert {k: v for k, v in numbers.items() if k.startswith("directory_")} == {
         "directory_lookups": 5, "directory_hits": 2, "directory_evictions": 1, "directory_demotions": 0,
-        "directory_refused": 0, "directory_unplaced": 0, "directory_evictions_cpu": 1}
+        "directory_refused": 0, "directory_unplaced": 0, "directory_admitted": 0, "directory_declined": 0,
+        "directory_evictions_cpu": 1}
 
 
 def test_a_timer_counts_time_and_calls() -> None:

@@ -49,7 +49,8 @@ def test_check_default_config(default_report: subprocess.CompletedProcess[str]) 
     assert rows["cpu"][5:7] == ["64", str(64 * 256)]  # memory slots hold raw payloads: 2 GiB / 32 MiB
     # disk records carry a header: 8 GiB / (32 MiB + header) = 255 whole chunks
     assert rows["disk"][5:7] == ["255", str(255 * 256)]
-    assert "eviction=adaptive write=write_back promote_on_hit=true store_threshold=1 save_backlog=256MiB " \
+    assert "eviction=adaptive write=write_back promote_on_hit=true store_threshold=1 admission=learned " \
+           "admission_min_reuse=0.1 save_backlog=256MiB " \
            "persist_after_idle=1s persist_max_lag=2s persist_at_close=4s" in out  # every setting, with its unit
     assert default_report.stderr == ""
 

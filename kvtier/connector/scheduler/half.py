@@ -24,6 +24,7 @@ from kvtier.config import KvtierConfig, TierKind
 from kvtier.connector.keying import RequestKeying, has_prompt_embeds, request_keys
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec, block_at, chunk_blocks
 from kvtier.connector.report import WorkerReport, report_of
+from kvtier.connector.scheduler.admission import SaveAdmission, request_class
 from kvtier.connector.scheduler.chunk_events import ChunkEvents
 from kvtier.connector.scheduler.hits import GroupNeed, best_hit, hit_limit
 from kvtier.connector.scheduler.inflight import InflightSaves
@@ -78,6 +79,7 @@ class SchedulerHalf:
         self._locator = Locator(directory, self._inflight, self._placement, self._needs, self._tiers, loop)
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
+        self._admission = self._make_admission()
         # paused (benchmarks time one engine with and without kvtier's work): no lookups hit, no saves planned
         self.paused = False
         self.events: ChunkEvents | None = None  # set when the engine publishes KV events
@@ -95,6 +97,15 @@ class SchedulerHalf:
                 self.disabled = True
                 logger.error("kvtier is disabled for this engine (it serves without the cache): %s. Set strict: "
                              "true in kvtier's config to fail at start instead", exc)
+
+    def _make_admission(self) -> SaveAdmission | None:
+        """The save admission of ``policy.admission: learned``, remembering as many chunks as the tiers of the first
+        group's placement hold."""
+        if self.cfg.policy.admission != "learned" or not self.kcc.kv_cache_groups or not self._placement[0]:
+            return None
+        per_chunk = max(1, self.kcc.kv_cache_groups[0].bytes_per_chunk(self.cfg.chunk_size))
+        held = sum(self.cfg.tier(n).capacity for n in self._placement[0]) // per_chunk
+        return SaveAdmission(max(1, held), self.cfg.policy.admission_min_reuse)
 
     # ---- lookups ---------------------------------------------------------------------------------------
     def _state(self, req_id: str, request: Any) -> ReqState:
@@ -127,6 +138,8 @@ class SchedulerHalf:
             state.counted = True
             self._seen.add(all_keys[0])  # group 0's key names the prefix for every group
         limit = min(len(k) for k in all_keys) if all_keys else 0
+        if self._admission is not None and state.save_class is None and all_keys:
+            self._classify(state, all_keys[0][:limit], num_computed_tokens)
         if limit * size <= num_computed_tokens:
             return 0, False
         located = [self._locator.locate(g, keys[:limit]) for g, keys in enumerate(all_keys)]
@@ -145,6 +158,15 @@ class SchedulerHalf:
                                                or i in located[g].writing for g, i in used)
         self._hits[request.request_id] = Hit(chunks, num_computed_tokens, locations, is_async)
         return chunks * size - num_computed_tokens, is_async
+
+    def _classify(self, state: ReqState, keys: Sequence[Key], num_computed_tokens: int) -> None:
+        """A request's first lookup: credit the save admission with the chunks it asks for past the engine's own
+        hit, and give the request its class (kvtier.connector.scheduler.admission)."""
+        assert self._admission is not None
+        size = self.cfg.chunk_size
+        engine = num_computed_tokens // size
+        state.reach = engine + self._admission.asked(keys[engine:])
+        state.save_class = request_class(state.reach, len(tokens_of(state.source)) // size)
 
     def may_load_async(self, request: Any) -> bool:
         """Whether a hit of ``request`` may load asynchronously, from what this process knows without asking a
@@ -291,6 +313,10 @@ class SchedulerHalf:
         if full <= state.saved_chunks:
             return
         all_keys = self._keys(state, full)
+        if not self._admitted(state, [all_keys[0][i] for i in range(max(state.saved_chunks, state.reach), full)
+                                      if self._reused(all_keys, i)]):
+            state.saved_chunks = full
+            return
         for g, group in enumerate(self.kcc.kv_cache_groups):
             if not self._placement[g] or group.kind is GroupKind.MAMBA:  # states: _plan_state_saves
                 continue
@@ -306,7 +332,7 @@ class SchedulerHalf:
         (kvtier.connector.scheduler.states)."""
         for req_id, offers in boundary_offers(scheduler_output).items():
             state = self._requests.get(req_id)
-            if state is None or not self._may_save(state):
+            if state is None or not self._may_save(state) or not self._admitted(state, ()):
                 continue
             by_group = state_chunks(offers, self.kcc, self.cfg.chunk_size)
             if not by_group:
@@ -320,6 +346,20 @@ class SchedulerHalf:
 
     def _may_save(self, state: ReqState) -> bool:
         return not (state.opaque or self.disabled or self._never_hits or self.paused)
+
+    def _admitted(self, state: ReqState, offered: Sequence[Key]) -> bool:
+        """Whether the save admission takes the request's chunks (decided once per request, at its first save, so
+        that what it saves is a whole prefix); ``offered``: the first group's keys of the chunks it could save now, past
+        what its lookup found in the engine's cache or the admission's ghosts."""
+        if self._admission is None:
+            return True
+        cls = state.save_class if state.save_class is not None else request_class(0, len(state.keys[0]))
+        if state.admitted is None:
+            state.admitted = self._admission.admits(cls)
+        if offered:
+            self._admission.offer(cls, offered)
+            self.directory.count_admission(state.admitted, len(offered))
+        return state.admitted
 
     def _plan_group(self, req_id: str, g: int, keys: Sequence[Key], chunks: Sequence[tuple[int, tuple[int, ...]]],
                     meta: KVTierMetadata) -> None:

@@ -31,6 +31,9 @@ class ReqState:
     unfilled: list[range] = field(default_factory=list)  # per group: chunks a load left unwritten (never saved)
     opaque: bool = False  # prompt embeds: token ids do not identify the KV, so no hits and no saves
     counted: bool = False  # its keys joined the reuse counts (once per request)
+    save_class: int | None = None  # its class for the save admission, from its first lookup
+    reach: int = 0  # chunks its first lookup found in the engine's cache or in the admission's ghosts
+    admitted: bool | None = None  # whether the save admission takes its chunks (decided at its first save)
     in_shared: set[tuple[str, Key]] = field(default_factory=set)  # (shared tier, key) its hit found there
 
 

@@ -1,0 +1,111 @@
+"""The save admission (``policy.admission: learned``): a class of requests whose chunks nobody asks for again stops
+saving, it still learns from the chunks it did not save, reuse brings saving back, and what it saves loads bit
+for bit. Real cpu tier, both connector halves driven as vLLM drives them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from worker_kit import A_IDS, B_IDS, C, Engine, make_cfg, paged
+
+from kvtier.config import ConfigError, PolicyConfig, WritePolicy, load_config
+from kvtier.connector.scheduler import admission
+from kvtier.connector.scheduler.admission import SaveAdmission, request_class
+from kvtier.engine.types import KVCacheBlocks, Request, SchedulerOutput
+from kvtier.records.keys import Key
+
+KEYS = [Key(i.to_bytes(4, "big") * 8) for i in range(64)]
+
+
+def test_request_classes_bucket_the_hit_depth_and_the_prompt_length_in_powers_of_two() -> None:
+    assert request_class(0, 0) != request_class(0, 1) != request_class(0, 2) == request_class(0, 3)
+    assert request_class(2, 8) == request_class(3, 15) != request_class(4, 15)
+    assert request_class(1000, 1000) == admission.DEPTH_BUCKETS * admission.SIZE_BUCKETS - 1
+
+
+def test_a_class_is_judged_on_a_window_old_enough_for_its_reuses_to_have_come(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "WARMUP", 4)
+    gate = SaveAdmission(ghosts=8, min_reuse=0.25)
+    gate.offer(0, KEYS[:8])
+    assert gate.matched(0) == (0, 0) and gate.admits(0)  # its chunks could still be asked for: saved
+    gate.offer(0, KEYS[8:16])
+    assert gate.lag() == 8 and gate.matched(0) == (8, 0)  # no reuse yet: judged on offers a whole window old
+    assert not gate.admits(0) and gate.admits(1)  # another class is still warming up
+    assert gate.asked([KEYS[14], KEYS[15]]) == 2  # asked past the engine's hit: reuses, though not saved
+    assert gate.lag() == 2  # they came within 2 offers: judged on the window that ended 2 offers ago
+    assert gate.matched(0) == (8, 2) and gate.admits(0)
+    assert gate.asked([KEYS[13], KEYS[0], KEYS[12]]) == 1  # a run from the hit point; KEYS[0] is forgotten
+
+
+def test_ghosts_and_marks_stay_bounded() -> None:
+    gate = SaveAdmission(ghosts=64, min_reuse=0.1)
+    for i in range(100):
+        gate.offer(i % 3, [Key(i.to_bytes(4, "big") * 8 + bytes([j])) for j in range(30)])
+    assert len(gate) == 64
+    assert len(gate._marks) <= 2 * admission.MARKS_PER_WINDOW + 2
+    assert sum(gate.matched(0)) > 0
+    with pytest.raises(ValueError):
+        SaveAdmission(0, 0.1)
+
+
+def test_the_config_takes_all_or_learned_and_a_share_between_0_and_1(tmp_path: Path) -> None:
+    base = {"chunk_size": 32, "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "64MiB"}]}
+    cfg = load_config({**base, "policy": {"admission": "learned", "admission_min_reuse": 0.2}})
+    assert (cfg.policy.admission, cfg.policy.admission_min_reuse) == ("learned", 0.2)
+    assert load_config(base).policy.admission == "learned"
+    with pytest.raises(ConfigError, match=r"policy\.admission"):
+        load_config({**base, "policy": {"admission": "some"}})
+    with pytest.raises(ConfigError, match=r"policy\.admission_min_reuse.*between 0 and 1"):
+        load_config({**base, "policy": {"admission_min_reuse": 2}})
+
+
+def _tokens(n: int) -> list[int]:
+    return [1000 * n + t for t in range(5 * C)]  # 5 chunks; a lookup covers the first 4
+
+
+def _serve(eng: Engine, name: str, tokens: list[int]) -> tuple[int, int]:
+    """One request: its lookup, then its prefill into A_IDS (or its load into B_IDS on a hit); the tokens it hit and
+    the chunks it saved."""
+    req = Request(name, tokens)
+    hit, is_async = eng.sched.get_num_new_matched_tokens(req, 0)
+    assert is_async is False
+    ids = B_IDS if hit else A_IDS
+    eng.sched.update_state_after_alloc(req, KVCacheBlocks((ids,)), hit)
+    out = eng.run_prefill(req, ids, hit)
+    saved = (out.kv_connector_stats.data if out.kv_connector_stats else {}).get("save_chunks", 0)
+    eng.sched.request_finished(req, ids)
+    eng.work.flush_saves()
+    eng.step(SchedulerOutput(finished_req_ids={name}))
+    return hit, int(saved)
+
+
+def test_one_off_prompts_stop_saving_and_a_prompt_asked_again_is_saved_and_loads_bit_for_bit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "WARMUP", 4)
+    monkeypatch.setattr(admission, "MAX_GHOSTS", 10)  # a window of 10 chunks
+    cfg = make_cfg(tmp_path, ("cpu",))
+    cfg = type(cfg)(chunk_size=cfg.chunk_size, tiers=cfg.tiers,
+                    policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_BACK, admission="learned",
+                                        admission_min_reuse=0.5))
+    kv = paged(9)
+    eng = Engine(cfg, kv)
+    try:
+        saved = [_serve(eng, f"once{i}", _tokens(i))[1] for i in range(4)]
+        assert saved == [5, 5, 5, 0]  # offers a window old (10 chunks) and no reuse since: the class stops saving
+        assert _serve(eng, "p1", _tokens(7)) == (0, 0)  # the same class: not saved, but remembered
+        before = {n: t[:, B_IDS].clone() for n, t in kv.items()}
+        assert _serve(eng, "p2", _tokens(7)) == (0, 5)  # asked again: a deep class of its own, saved
+        assert all(torch.equal(t[:, B_IDS], before[n]) for n, t in kv.items())  # nothing loaded yet
+        assert _serve(eng, "p3", _tokens(7)) == (4 * C, 0)  # and hit
+        for name, t in kv.items():  # the 8 blocks of the 4 chunks hold A's bytes: loaded, not recomputed
+            assert torch.equal(t[:, B_IDS[:8]], t[:, A_IDS[:8]]), name
+            assert torch.equal(t[:, B_IDS[8:]], before[name][:, 8:]), name
+        stats = eng.sched.get_kv_connector_stats()
+        assert stats is not None
+        assert (stats.data["directory_admitted"], stats.data["directory_declined"]) == (17, 10)
+    finally:
+        eng.close()

@@ -1,20 +1,38 @@
 """The save admission (``policy.admission: learned``): a class of requests whose chunks nobody asks for again stops
 saving, it still learns from the chunks it did not save, reuse brings saving back, and what it saves loads bit
-for bit. Real cpu tier, both connector halves driven as vLLM drives them.
+for bit (real cpu tier, both connector halves driven as vLLM drives them); a declined request still promotes what
+it loaded, and with a shared tier placed every chunk is saved.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from scheduler_harness import FULL, Build, Harness, schedule_new
+from scheduler_harness import C as SC
 from worker_kit import A_IDS, B_IDS, C, Engine, make_cfg, paged
 
-from kvtier.config import ConfigError, PolicyConfig, WritePolicy, load_config
+from kvtier.config import (
+    ConfigError,
+    CpuTierConfig,
+    DiskTierConfig,
+    KvtierConfig,
+    PolicyConfig,
+    RedisTierConfig,
+    TierConfig,
+    WritePolicy,
+    load_config,
+)
 from kvtier.connector.scheduler import admission
 from kvtier.connector.scheduler.admission import SaveAdmission, request_class
-from kvtier.engine.types import KVCacheBlocks, Request, SchedulerOutput
+from kvtier.connector.scheduler.half import SchedulerHalf
+from kvtier.control.directory import Directory, TierSlot
+from kvtier.control.policy import make_policy
+from kvtier.engine.types import KVCacheBlocks, NewRequestData, Request, SchedulerOutput
+from kvtier.layout import KVCacheConfig
 from kvtier.records.keys import Key
 
 KEYS = [Key(i.to_bytes(4, "big") * 8) for i in range(64)]
@@ -109,3 +127,59 @@ def test_one_off_prompts_stop_saving_and_a_prompt_asked_again_is_saved_and_loads
         assert (stats.data["directory_admitted"], stats.data["directory_declined"]) == (17, 10)
     finally:
         eng.close()
+
+
+def _planned(h: Harness, name: str, tokens: list[int], ids: list[int]) -> list[int]:
+    """Look ``tokens`` up, allocate ``ids`` for whatever it hit, schedule its prefill: the chunk indices (group 0)
+    the step plans to save from the engine's blocks."""
+    req = Request(name, tokens)
+    hit, _ = h.conn.get_num_new_matched_tokens(req, 0)
+    h.conn.update_state_after_alloc(req, KVCacheBlocks((ids,)), hit)
+    meta = schedule_new(h.conn, req, (ids,), 0, len(tokens))
+    keys = h.keys(tokens)[0]
+    return sorted(keys.index(k) for spec in meta.saves for k in spec.keys)
+
+
+def _learned(tmp_path: Path, tiers: tuple[TierConfig, ...]) -> KvtierConfig:
+    return KvtierConfig(chunk_size=SC, tiers=tiers, policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_BACK,
+                                                                        admission="learned"))
+
+
+def test_a_declined_request_still_promotes_the_chunks_it_loaded(
+        harness: Build, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "WARMUP", 1)
+    monkeypatch.setattr(admission, "MAX_GHOSTS", 4)
+    cfg = _learned(tmp_path, (CpuTierConfig("cpu", 1 << 20), DiskTierConfig("disk", 1 << 22, path=str(tmp_path))))
+    h = harness(KVCacheConfig((FULL,)), cfg=cfg)
+    ids = list(range(1, 15))
+    assert _planned(h, "once0", [1000 + t for t in range(7 * SC)], ids) == list(range(7))  # saved: warming up
+    assert _planned(h, "once1", [2000 + t for t in range(7 * SC)], ids) == []  # no reuse a window later: declined
+    tokens = [3000 + t for t in range(7 * SC)]
+    h.place(tokens, 0, [0, 1, 2, 3], tier="disk")  # its class is declined, but it hits 4 chunks on disk
+    assert _planned(h, "hit", tokens, ids) == [0, 1, 2, 3]  # promoted into cpu; its 3 new chunks are not saved
+
+
+def test_with_a_shared_tier_placed_every_chunk_is_saved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other engines' reuse of what this one saves in Redis is invisible here: learning would decline it."""
+    monkeypatch.setattr(admission, "WARMUP", 1)
+    monkeypatch.setattr(admission, "MAX_GHOSTS", 4)
+    for shared in (False, True):
+        tiers: tuple[TierConfig, ...] = (CpuTierConfig("cpu", 1 << 20),)
+        slots = [TierSlot("cpu", 1 << 20, make_policy("lru"))]
+        if shared:
+            tiers += (RedisTierConfig("redis", 1 << 30, url="redis://127.0.0.1:1/0"),)
+            slots.append(TierSlot("redis", 1 << 30, make_policy("lru"), shared=True))
+        stand_ins = {t.name: SimpleNamespace(name=t.name, stored_size=lambda n: n) for t in tiers}
+        half = SchedulerHalf(_learned(Path("."), tiers), KVCacheConfig((FULL,)), [bytes(16)],
+                             directory=Directory(slots), tiers=stand_ins)  # type: ignore[arg-type]
+        planned = []
+        for i in range(3):
+            tokens = [1000 * i + t for t in range(7 * SC)]
+            req = SimpleNamespace(request_id=f"r{i}", prompt_token_ids=tokens, all_token_ids=tokens, cache_salt=None,
+                                  prompt_embeds=None, lora_request=None, mm_features=None, mm_hashes=None)
+            half.get_num_new_matched_tokens(req, 0)
+            meta = half.build_connector_meta(SchedulerOutput(
+                scheduled_new_reqs=[NewRequestData(f"r{i}", tokens, (list(range(1, 15)),), 0)],
+                num_scheduled_tokens={f"r{i}": len(tokens)}))
+            planned.append(sum(len(spec.keys) for spec in meta.saves))
+        assert planned == ([7, 7, 7] if shared else [7, 0, 0]), shared

@@ -100,8 +100,11 @@ class SchedulerHalf:
 
     def _make_admission(self) -> SaveAdmission | None:
         """The save admission of ``policy.admission: learned``, remembering as many chunks as the tiers of the first
-        group's placement hold."""
+        group's placement hold. None (every chunk saved) with a shared tier placed: the reuse of what this engine
+        saves there by other engines is invisible here, so it would decline what they reuse."""
         if self.cfg.policy.admission != "learned" or not self.kcc.kv_cache_groups or not self._placement[0]:
+            return None
+        if any(self.directory.is_shared(n) for names in self._placement for n in names):
             return None
         per_chunk = max(1, self.kcc.kv_cache_groups[0].bytes_per_chunk(self.cfg.chunk_size))
         held = sum(self.cfg.tier(n).capacity for n in self._placement[0]) // per_chunk
@@ -211,6 +214,7 @@ class SchedulerHalf:
         self._sources[request.request_id] = self._tokens_by_kind(hit)
         state = self._requests.get(request.request_id)
         if state is not None:
+            state.loaded = max(state.loaded, hit.chunks)
             self._recovery.loading(request.request_id, specs, state)
             state.unfilled = [self._unfilled(g, hit) for g in range(len(self._needs))]
             state.in_shared = {(spec.tier, key) for spec in specs  # not written back (expiring ones are)
@@ -313,16 +317,16 @@ class SchedulerHalf:
         if full <= state.saved_chunks:
             return
         all_keys = self._keys(state, full)
-        if not self._admitted(state, [all_keys[0][i] for i in range(max(state.saved_chunks, state.reach), full)
-                                      if self._reused(all_keys, i)]):
-            state.saved_chunks = full
-            return
+        first_new = max(state.saved_chunks, state.reach, state.loaded)
+        offered = [all_keys[0][i] for i in range(first_new, full) if self._reused(all_keys, i)]
+        # a declined request still plans the chunks it loaded (a promotion, or a rewrite that renews an expiry)
+        end = full if self._admitted(state, offered) else min(full, state.loaded)
         for g, group in enumerate(self.kcc.kv_cache_groups):
             if not self._placement[g] or group.kind is GroupKind.MAMBA:  # states: _plan_state_saves
                 continue
             per_chunk = size // group.kv_cache_spec.block_size
             unfilled = state.unfilled[g] if g < len(state.unfilled) else range(0)
-            chunks = [(i, chunk_blocks(state.block_ids, g, i, per_chunk)) for i in range(state.saved_chunks, full)
+            chunks = [(i, chunk_blocks(state.block_ids, g, i, per_chunk)) for i in range(state.saved_chunks, end)
                       if i not in unfilled and self._reused(all_keys, i)]
             self._plan_group(req_id, g, all_keys[g], [(i, b) for i, b in chunks if b is not None], meta)
         state.saved_chunks = full
@@ -350,10 +354,12 @@ class SchedulerHalf:
     def _admitted(self, state: ReqState, offered: Sequence[Key]) -> bool:
         """Whether the save admission takes the request's chunks (decided once per request, at its first save, so
         that what it saves is a whole prefix); ``offered``: the first group's keys of the chunks it could save now, past
-        what its lookup found in the engine's cache or the admission's ghosts."""
+        what its lookup found in the engine's cache or the admission's ghosts and what it loaded."""
         if self._admission is None:
             return True
-        cls = state.save_class if state.save_class is not None else request_class(0, len(state.keys[0]))
+        cls = state.save_class
+        if cls is None:  # never classified by a lookup: no hit, and the prompt's length
+            cls = request_class(0, len(tokens_of(state.source)) // self.cfg.chunk_size)
         if state.admitted is None:
             state.admitted = self._admission.admits(cls)
         if offered:

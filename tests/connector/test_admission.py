@@ -140,7 +140,7 @@ def _planned(h: Harness, name: str, tokens: list[int], ids: list[int]) -> list[i
     return sorted(keys.index(k) for spec in meta.saves for k in spec.keys)
 
 
-def _learned(tmp_path: Path, tiers: tuple[TierConfig, ...]) -> KvtierConfig:
+def _learned(tiers: tuple[TierConfig, ...]) -> KvtierConfig:
     return KvtierConfig(chunk_size=SC, tiers=tiers, policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_BACK,
                                                                         admission="learned"))
 
@@ -149,7 +149,7 @@ def test_a_declined_request_still_promotes_the_chunks_it_loaded(
         harness: Build, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(admission, "WARMUP", 1)
     monkeypatch.setattr(admission, "MAX_GHOSTS", 4)
-    cfg = _learned(tmp_path, (CpuTierConfig("cpu", 1 << 20), DiskTierConfig("disk", 1 << 22, path=str(tmp_path))))
+    cfg = _learned((CpuTierConfig("cpu", 1 << 20), DiskTierConfig("disk", 1 << 22, path=str(tmp_path))))
     h = harness(KVCacheConfig((FULL,)), cfg=cfg)
     ids = list(range(1, 15))
     assert _planned(h, "once0", [1000 + t for t in range(7 * SC)], ids) == list(range(7))  # saved: warming up
@@ -170,7 +170,7 @@ def test_with_a_shared_tier_placed_every_chunk_is_saved(monkeypatch: pytest.Monk
             tiers += (RedisTierConfig("redis", 1 << 30, url="redis://127.0.0.1:1/0"),)
             slots.append(TierSlot("redis", 1 << 30, make_policy("lru"), shared=True))
         stand_ins = {t.name: SimpleNamespace(name=t.name, stored_size=lambda n: n) for t in tiers}
-        half = SchedulerHalf(_learned(Path("."), tiers), KVCacheConfig((FULL,)), [bytes(16)],
+        half = SchedulerHalf(_learned(tiers), KVCacheConfig((FULL,)), [bytes(16)],
                              directory=Directory(slots), tiers=stand_ins)  # type: ignore[arg-type]
         planned = []
         for i in range(3):
@@ -183,3 +183,21 @@ def test_with_a_shared_tier_placed_every_chunk_is_saved(monkeypatch: pytest.Monk
                 num_scheduled_tokens={f"r{i}": len(tokens)}))
             planned.append(sum(len(spec.keys) for spec in meta.saves))
         assert planned == ([7, 7, 7] if shared else [7, 0, 0]), shared
+
+
+def test_chunks_a_request_loaded_are_remembered_so_their_next_reuse_is_seen(harness: Build) -> None:
+    """Chunks in a tier that the admission never saw offered (adopted at start, say): the request that loads them
+    offers them, so the next turn's lookup credits its whole prefix as reuse and offers only its new chunks."""
+    h = harness(KVCacheConfig((FULL,)), cfg=_learned((CpuTierConfig("cpu", 1 << 20),)))
+    turn = [4000 + t for t in range(7 * SC)]
+    h.place(turn, 0, [0, 1, 2, 3])
+    assert _planned(h, "b", turn, list(range(1, 15))) == [4, 5, 6]  # loads 0-3, saves its own chunks
+    assert _offered(h) == (7, 0)
+    _planned(h, "c", turn + [5000 + t for t in range(3 * SC)], list(range(1, 21)))
+    assert _offered(h) == (3, 0)  # 0-6 were asked for again: only 7-9 are new
+
+
+def _offered(h: Harness) -> tuple[int, int]:
+    stats = h.conn.get_kv_connector_stats()
+    data = stats.data if stats is not None else {}
+    return data.get("directory_admitted", 0), data.get("directory_declined", 0)

@@ -317,9 +317,9 @@ class SchedulerHalf:
         if full <= state.saved_chunks:
             return
         all_keys = self._keys(state, full)
-        first_new = max(state.saved_chunks, state.reach, state.loaded)
+        first_new = max(state.saved_chunks, state.reach)  # loaded chunks count too: remembered, their reuse is seen
         offered = [all_keys[0][i] for i in range(first_new, full) if self._reused(all_keys, i)]
-        # a declined request still plans the chunks it loaded (a promotion, or a rewrite that renews an expiry)
+        # a declined request still plans the chunks its hit covered (a promotion into the first tier)
         end = full if self._admitted(state, offered) else min(full, state.loaded)
         for g, group in enumerate(self.kcc.kv_cache_groups):
             if not self._placement[g] or group.kind is GroupKind.MAMBA:  # states: _plan_state_saves
@@ -354,7 +354,7 @@ class SchedulerHalf:
     def _admitted(self, state: ReqState, offered: Sequence[Key]) -> bool:
         """Whether the save admission takes the request's chunks (decided once per request, at its first save, so
         that what it saves is a whole prefix); ``offered``: the first group's keys of the chunks it could save now, past
-        what its lookup found in the engine's cache or the admission's ghosts and what it loaded."""
+        what its lookup found in the engine's cache or the admission's ghosts."""
         if self._admission is None:
             return True
         cls = state.save_class

@@ -99,8 +99,11 @@ def worker(spec_path: str, out_path: str) -> None:
 
     mode = spec["mode"]
     reset = bool(spec.get("hybrid")) and mode.startswith("kvtier")  # every hit from kvtier, none from vLLM's cache
+    # the hybrid's block size is set: the one vLLM picks to fit the recurrent state's page depends on the CPU's
+    # attention backend (160 or 96 tokens), and the chunks must end on state boundaries
+    blocks = {"block_size": HYBRID_CHUNK} if spec.get("hybrid") else {}
     kw = llm_kwargs(spec, max_num_seqs=max(8, spec["batch"]),
-                    enable_prefix_caching=mode in ("vllm_prefix", "vllm_offloading") or reset)
+                    enable_prefix_caching=mode in ("vllm_prefix", "vllm_offloading") or reset, **blocks)
     transfer = _transfer(mode, spec.get("kvtier_config"))
     if transfer is not None:
         kw["kv_transfer_config"] = transfer

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 T0 = time.perf_counter()
@@ -39,13 +40,24 @@ def kvtier_totals(connector: Any) -> dict[str, float] | None:
     return {**worker.totals(), "disabled": worker.disabled is not None}
 
 
+HYBRID_BLOCK = {"qwen3_next": 160}  # the block size the hybrid tests' chunks and references are written for
+
+
+def hybrid_blocks(model: str) -> dict[str, int]:
+    """The block size of a hybrid model, set rather than left to vLLM: the size vLLM picks to fit the recurrent
+    state's page depends on the CPU's attention backend (160 tokens on some machines, 96 on others)."""
+    config = Path(model) / "config.json"
+    kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    return {"block_size": HYBRID_BLOCK[kind]} if kind in HYBRID_BLOCK else {}
+
+
 def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``LLM`` arguments for a job spec: the tiny model with the settings of every benchmark engine
     (kvtier.bench.vllm_driver.llm_kwargs), and kvtier (alone or chained) when it asks."""
     from kvtier.bench.vllm_driver import llm_kwargs
 
     kw = llm_kwargs({**spec, "max_model_len": 1024}, max_num_seqs=8,
-                    enable_prefix_caching=bool(spec.get("prefix_caching", False)))
+                    enable_prefix_caching=bool(spec.get("prefix_caching", False)), **hybrid_blocks(spec["model"]))
     if spec.get("attention_backend"):
         kw["attention_backend"] = spec["attention_backend"]
     extra = {"config_file": spec["kvtier_config"], **spec.get("extra", {})} if spec.get("kvtier_config") else {}

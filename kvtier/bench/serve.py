@@ -9,6 +9,9 @@ with ``--num-gpu-blocks-override``) every mode runs in a server process of its o
 * ``prefix``: vLLM's prefix cache alone;
 * ``kvtier_cpu``, ``kvtier_cpu_disk``, ``kvtier_cpu_redis``: + kvtier with a cpu tier of ``--tier-memory`` times
   the engine's KV memory (and a disk or Redis tier behind it that holds the whole working set);
+* ``kvtier_cpu_learned``: ``kvtier_cpu`` with ``policy.admission: learned`` (kvtier's default: it saves the
+  chunks of request classes whose chunks are asked for again past vLLM's cache); the other kvtier modes save every
+  chunk they compute (``admission: all``), as every run before the admission did;
 * ``kvtier_no_prefix``: kvtier's cpu tier with vLLM's prefix cache off, for reference;
 * ``none``: no cache, the reference every other mode's completions must equal (greedy, ``ignore_eos``).
 
@@ -56,7 +59,8 @@ from kvtier.ops.vllm_server import Samples, Server, ServerSpec, kvtier_transfer,
 
 MODES: dict[str, tuple[bool, tuple[str, ...]]] = {  # mode: (vLLM's prefix cache on, kvtier's tiers)
     "prefix": (True, ()), "kvtier_cpu": (True, ("cpu",)), "kvtier_cpu_disk": (True, ("cpu", "disk")),
-    "kvtier_cpu_redis": (True, ("cpu", "redis")), "kvtier_no_prefix": (False, ("cpu",)), "none": (False, ())}
+    "kvtier_cpu_redis": (True, ("cpu", "redis")), "kvtier_cpu_learned": (True, ("cpu",)),
+    "kvtier_no_prefix": (False, ("cpu",)), "none": (False, ())}
 QUICK_MODES = ("prefix", "kvtier_cpu_disk", "none")
 QUICK: dict[str, Any] = {"requests": 24, "memory": (0.25,), "layers": 2, "hidden": 256, "concurrency": 4}
 FULL: dict[str, Any] = {"requests": 240, "memory": (0.05, 0.10, 0.25), "layers": 8, "hidden": 512, "concurrency": 8}
@@ -161,7 +165,8 @@ def kvtier_config(mode: str, workdir: Path, cpu_bytes: int, big_bytes: int, redi
     if not tiers:
         return None
     entries = tier_entries(tiers, workdir, cpu_bytes, big_bytes, redis_url)
-    lines = [f"chunk_size: {BLOCK}", f"tiers: [{', '.join(entries)}]"]
+    admission = "learned" if mode.endswith("_learned") else "all"
+    lines = [f"chunk_size: {BLOCK}", f"tiers: [{', '.join(entries)}]", f"policy: {{admission: {admission}}}"]
     if not prefix:
         lines.append("serve_without_prefix_caching: true")
     path = workdir / "kvtier.yaml"
@@ -266,7 +271,7 @@ def measure_point(point: dict[str, Any], model: str, settings: dict[str, Any], r
     serve_report.add_ratios(modes)
     chunk_bytes = BLOCK * settings["kv_bytes_per_token"]
     tiers = {m: [point["cpu_tier_bytes"] // chunk_bytes] + [point["big_tier_bytes"] // chunk_bytes] *
-             (len(MODES[m][1]) - 1) for m in modes if MODES[m][1]}
+             (len(MODES[m][1]) - 1) for m in modes if MODES[m][1] and not m.endswith("_learned")}
     if "prefix" in modes:
         tiers["prefix"] = []
     workload = hit_workload(requests, BLOCK)

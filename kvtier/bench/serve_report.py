@@ -19,6 +19,7 @@ from kvtier.ops.vllm_server import Samples, metric_sum
 
 SOURCES = "vllm:prompt_tokens_by_source_total"
 PREFILL_COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"  # per finished request: prompt less cached tokens
+ADMISSION = "kvtier_save_admission_chunks_total"  # chunks offered for saving, by the admission's decision
 GAP_POINTS = 2.0  # a simulation gap above this many points is flagged with its likely causes
 
 
@@ -88,6 +89,8 @@ def hit_summary(before: Samples, after: Samples) -> dict[str, Any]:
                 f"{t}:{k}": n for t in _label_values(after, "kvtier_tier_errors_total", "tier")
                 for k in _label_values(after, "kvtier_tier_errors_total", "kind")
                 if (n := int(_delta(after, before, "kvtier_tier_errors_total", tier=t, kind=k)))},
+            "kvtier_admission_chunks": {d: int(_delta(after, before, ADMISSION, decision=d))
+                                        for d in _label_values(after, ADMISSION, "decision")},
             "prefill_computed_tokens": int(_delta(after, before, PREFILL_COMPUTED)),
             "prefix_cache_queries": int(_delta(after, before, "vllm:prefix_cache_queries_total")),
             "prefix_cache_hits": int(_delta(after, before, "vllm:prefix_cache_hits_total"))}
@@ -104,8 +107,16 @@ def mode_summary(replies: Sequence[Reply], before: Samples, after: Samples,
     """Everything the report shows for one mode at one memory point."""
     diff = mismatches(replies, reference) if reference is not None else []
     cached = [r.cached_tokens for r in replies if r.cached_tokens is not None]
-    return {**latency_summary(replies), **hit_summary(before, after), "mismatches": len(diff),
-            "mismatched_requests": diff[:20], "client_cached_tokens": sum(cached) if cached else None}
+    hits = hit_summary(before, after)
+    return {**latency_summary(replies), **hits, "saved_per_loaded": saved_per_loaded(hits),
+            "mismatches": len(diff), "mismatched_requests": diff[:20],
+            "client_cached_tokens": sum(cached) if cached else None}
+
+
+def saved_per_loaded(hits: Mapping[str, Any]) -> float | None:
+    """Bytes kvtier stored, in every tier, per byte it loaded into the engine (None when it loaded nothing)."""
+    stored = sum(hits["kvtier_stored_bytes"].values())
+    return stored / hits["kvtier_load_bytes"] if hits["kvtier_load_bytes"] else None
 
 
 def add_ratios(modes: dict[str, dict[str, Any]], base: str = "prefix") -> None:
@@ -203,6 +214,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
 
 
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}x"
+
+
 def _ratio(row: Mapping[str, Any], key: str) -> str:
     value = (row.get("vs_prefix") or {}).get(key)
     return "-" if value is None else f"{value:.2f}"
@@ -212,7 +227,7 @@ def table(point: Mapping[str, Any]) -> str:
     """One memory point's modes as text: latency, throughput, hit rate by source, ratios to ``prefix``."""
     head = (f"{'mode':<17} {'TTFT p50':>8} {'p90':>6} {'p99':>6} {'e2e p50':>7} {'gen tok/s':>9} "
             f"{'hit %':>6} {'engine':>6} {'kvtier':>6}  {'by tier':<22} {'TTFT/pfx':>8} {'tok/s/pfx':>9} "
-            f"{'recon':>5} {'diff':>4}")
+            f"{'saved/loaded':>12} {'recon':>5} {'diff':>4}")
     lines = [f"engine KV memory {point['memory']:.0%} of the working set ({point['engine_blocks']} blocks)", head]
     for mode, row in point["modes"].items():
         tiers = " ".join(f"{t} {r * 100:.1f}" for t, r in row["kvtier_tier_hit_rate"].items()) or "-"
@@ -220,7 +235,8 @@ def table(point: Mapping[str, Any]) -> str:
                      f"{_ms(row['ttft_p99_s']):>6} {_ms(row['e2e_p50_s']):>7} {row['generated_tokens_per_s']:9.1f} "
                      f"{row['hit_rate'] * 100:6.1f} {row['engine_hit_rate'] * 100:6.1f} "
                      f"{row['kvtier_hit_rate'] * 100:6.1f}  {tiers:<22} {_ratio(row, 'ttft_p50_s'):>8} "
-                     f"{_ratio(row, 'generated_tokens_per_s'):>9} {'yes' if row['reconciled'] else 'NO':>5} "
+                     f"{_ratio(row, 'generated_tokens_per_s'):>9} {_times(row.get('saved_per_loaded')):>12} "
+                     f"{'yes' if row['reconciled'] else 'NO':>5} "
                      f"{row['mismatches']:>4}")
     for mode, sim in point.get("simulation", {}).items():
         flag = "  (gap > 2 points)" if sim["flagged"] else ""

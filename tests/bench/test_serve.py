@@ -301,3 +301,15 @@ def test_without_vllms_cpu_build_it_names_venv_e2e(tmp_path: Path) -> None:
     proc = _cli("--quick", "--out", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("kvtier: error: kvtier bench serve needs vLLM's CPU build") and ".venv-e2e" in proc.stderr
+
+
+def test_the_learned_mode_saves_by_the_admission_and_the_other_kvtier_modes_save_every_chunk(tmp_path: Path) -> None:
+    from kvtier.config import load_config
+
+    admissions = {}
+    for mode in ("kvtier_cpu", "kvtier_cpu_disk", "kvtier_cpu_learned"):
+        path = serve.kvtier_config(mode, tmp_path, 64 << 20, 128 << 20, None)
+        assert path is not None
+        admissions[mode] = load_config(path).policy.admission
+    assert admissions == {"kvtier_cpu": "all", "kvtier_cpu_disk": "all", "kvtier_cpu_learned": "learned"}
+    assert serve.kvtier_config("prefix", tmp_path, 64 << 20, 128 << 20, None) is None

@@ -140,3 +140,17 @@ def test_a_gap_is_explained_with_the_measured_size_of_each_cause() -> None:
                                                        "prefills in flight, failures): unexplained"]
     close = serve_report.compare({"m": {**row, "kvtier_hit_rate": 0.24, "hit_rate": 0.29}}, {"m": sim})
     assert not close["m"]["flagged"] and close["m"]["explanation"] == []
+
+
+def test_bytes_saved_per_byte_loaded_and_the_admissions_decisions_come_from_the_servers_counters() -> None:
+    admission = serve_report.ADMISSION
+    before = {**metric_samples(0, 0, 0, {}), (admission, (("decision", "admitted"),)): 5.0}
+    after = {**metric_samples(70, 0, 30, {"cpu": 30}), (admission, (("decision", "admitted"),)): 45.0,
+             (admission, (("decision", "declined"),)): 60.0}
+    row = serve_report.mode_summary([reply(0, [1])], before, after, None)
+    assert row["kvtier_admission_chunks"] == {"admitted": 40, "declined": 60}
+    assert row["saved_per_loaded"] == pytest.approx(3000 / 300)  # stored 100 B per hit token, loaded 10 B
+    assert serve_report.mode_summary([reply(0, [1])], before, metric_samples(70, 30, 0, {}), None)[
+        "saved_per_loaded"] is None  # nothing loaded: no ratio
+    point = {"memory": 0.25, "engine_blocks": 8, "modes": {"kvtier_cpu_learned": {**row, "vs_prefix": {}}}}
+    assert "10.0x" in serve_report.table(point)

@@ -18,7 +18,7 @@ All methods take one lock, so a scheduler thread and an I/O thread may share a d
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -51,6 +51,19 @@ class StorePlan:
     store: tuple[Key, ...]
     evicted: tuple[Key, ...] = ()
     source: str | None = None
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where chunks are: the tier of each (None: in none searched), and which are still being written there."""
+
+    tiers: list[str | None]
+    writing: frozenset[int] = frozenset()
+
+    def prefix(self) -> list[str]:
+        """The tiers of the leading run of chunks found."""
+        run = self.tiers.index(None) if None in self.tiers else len(self.tiers)
+        return [t for t in self.tiers[:run] if t is not None]
 
 
 @dataclass
@@ -112,23 +125,36 @@ class Directory:
     def is_shared(self, tier: str) -> bool:
         return self._tiers[tier].slot.shared
 
-    def lookup(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> list[str]:
-        """Tier name (fastest first) holding each chunk of the longest READY prefix in the local tiers among
-        ``tiers`` (every tier when None; none when empty)."""
+    def locate(self, keys: Sequence[Key], tiers: Sequence[str] | None = None, *, whole: bool = False,
+               writing: Callable[[str, Key], bool] | None = None, count: bool = True) -> Located:
+        """Where each chunk is among the local tiers in ``tiers`` (every local tier when None; none when empty),
+        under one lock: the fastest tier holding it READY, else, with ``writing`` (whether a write of the key into
+        the tier is in flight), the fastest tier with its space reserved and its write in flight (marked in
+        ``Located.writing``). The search stops at the first chunk found nowhere unless ``whole`` (a sliding window
+        or a recurrent state needs chunks past a gap). ``count``: add the lookup to ``stats``."""
         names = [n for n in (self._order if tiers is None else tiers) if not self._tiers[n].slot.shared]
         indexes = [self._tiers[n] for n in names]
-        found: list[str] = []
+        out: list[str | None] = [None] * len(keys)
+        in_flight: set[int] = set()
         with self._lock:
-            for key in keys:
-                for index in indexes:
-                    if index.ready(key):
-                        found.append(index.slot.name)
-                        break
-                else:
+            for i, key in enumerate(keys):
+                out[i] = next((x.slot.name for x in indexes if x.ready(key)), None)
+                if out[i] is None and writing is not None:
+                    out[i] = next((x.slot.name for x in indexes
+                                   if key in x.entries and writing(x.slot.name, key)), None)
+                    if out[i] is not None:
+                        in_flight.add(i)
+                if out[i] is None and not whole:
                     break
-            self.stats.lookups += len(keys)
-            self.stats.hits += len(found)
-        return found
+            if count:
+                self.stats.lookups += len(keys)
+                self.stats.hits += len(out) - out.count(None)
+        return Located(out, frozenset(in_flight))
+
+    def lookup(self, keys: Sequence[Key], tiers: Sequence[str] | None = None) -> list[str]:
+        """Tier name (fastest first) holding each chunk of the longest READY prefix in the local tiers among
+        ``tiers`` (every tier when None; none when empty): ``locate``'s leading run."""
+        return self.locate(keys, tiers).prefix()
 
     def count_unplaced(self, n: int) -> None:
         """Chunks a placement (kvtier.control.planner) could put in no tier of their chain."""

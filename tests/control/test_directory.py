@@ -54,6 +54,30 @@ def test_lookup_stops_at_first_miss_and_spans_tiers() -> None:
     assert d.lookup([k(1), k(2)], []) == []  # an empty chain searches no tier, not every tier
 
 
+def test_locate_goes_past_a_gap_only_when_asked_and_finds_writes_in_flight_where_space_is_reserved() -> None:
+    d = make(100, 100, 100, shared=("t2",))
+    store(d, "t0", [1])
+    store(d, "t1", [3, 4])
+    d.prepare_store("t1", [(k(2), 10, None), (k(5), 10, None)])  # reserved, written by a save in flight
+    keys = [k(i) for i in range(1, 7)]
+    assert d.locate(keys).tiers == ["t0", None, None, None, None, None]  # stops at the first miss
+    assert d.locate(keys, whole=True).tiers == ["t0", None, "t1", "t1", None, None]
+    in_flight = d.locate(keys, whole=True, writing=lambda tier, key: key == k(2))
+    assert in_flight.tiers == ["t0", "t1", "t1", "t1", None, None] and in_flight.writing == {1}
+    assert in_flight.prefix() == ["t0", "t1", "t1", "t1"] == d.locate(keys, writing=lambda t, key: key == k(2)).prefix()
+    assert d.locate(keys, ["t2"], whole=True).tiers == [None] * 6  # a shared tier is asked by its client, not here
+    assert d.lookup(keys) == d.locate(keys).prefix() == ["t0"]
+
+
+def test_a_lookup_is_counted_unless_told_not_to() -> None:
+    d = make(100)
+    store(d, "t0", [1, 2])
+    d.locate([k(1), k(2), k(3)], count=False)
+    assert (d.stats.lookups, d.stats.hits) == (0, 0)
+    d.locate([k(1), k(3), k(2)], whole=True)
+    assert (d.stats.lookups, d.stats.hits) == (3, 2)
+
+
 def test_eviction_keeps_capacity_and_uses_policy_order() -> None:
     d = make(30)
     store(d, "t0", [1, 2, 3])

@@ -145,7 +145,7 @@ class SchedulerHalf:
             self._classify(state, all_keys[0][:limit], num_computed_tokens)
         if limit * size <= num_computed_tokens:
             return 0, False
-        located = [self._locator.locate(g, keys[:limit]) for g, keys in enumerate(all_keys)]
+        located = [self._locator.locate(g, keys[:limit], count=g == 0) for g, keys in enumerate(all_keys)]
         locations = [loc.tiers for loc in located]
         present = [[loc is not None for loc in locs] for locs in locations]
         chunks = best_hit(self._needs, present, size, limit)

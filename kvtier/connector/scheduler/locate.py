@@ -13,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from kvtier.connector.scheduler.hits import GroupNeed
 from kvtier.connector.scheduler.inflight import InflightSaves
-from kvtier.control.directory import Directory
+from kvtier.control.directory import Directory, Located
 from kvtier.layout import GroupKind
 from kvtier.records.keys import Key
 from kvtier.tiers.base import Tier
@@ -26,14 +25,6 @@ from kvtier.tiers.runtime import LoopThread
 logger = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 0.25
-
-
-@dataclass(frozen=True)
-class Located:
-    """One group's chunks: the tier of each (None: nowhere), and which are still being written there."""
-
-    tiers: list[str | None]
-    writing: frozenset[int]
 
 
 class Locator:
@@ -48,24 +39,17 @@ class Locator:
         self._tiers = tiers
         self._loop = loop
 
-    def locate(self, group: int, keys: Sequence[Key]) -> Located:
-        """Where each key of ``group`` is. Without shared tiers, a group that needs a whole prefix (not sliding
-        window, not recurrent state) stops at the first chunk no tier holds: the chunks past it cannot be part of a
-        hit (they stay None)."""
-        out: list[str | None] = [None] * len(keys)
-        writing: set[int] = set()
+    def locate(self, group: int, keys: Sequence[Key], count: bool = False) -> Located:
+        """Where each key of ``group`` is (kvtier.control.directory.Directory.locate over the local tiers, then the
+        shared ones). Without shared tiers, a group that needs a whole prefix (not sliding window, not recurrent
+        state) stops at the first chunk no tier holds: the chunks past it cannot be part of a hit (they stay
+        None). ``count``: count the lookup in the directory's stats."""
         directory, inflight = self._directory, self._inflight
         local = [n for n in self._placement[group] if not directory.is_shared(n)]
         shared = [n for n in self._placement[group] if directory.is_shared(n)]
-        prefix_only = not shared and self._needs[group].kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
-        for i, key in enumerate(keys):
-            out[i] = next((n for n in local if directory.contains(n, key)), None)
-            if out[i] is None:
-                out[i] = next((n for n in local if inflight.writing(n, key) and directory.holds(n, key)), None)
-                if out[i] is not None:
-                    writing.add(i)
-            if out[i] is None and prefix_only:
-                break
+        whole = bool(shared) or self._needs[group].kind not in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
+        found = directory.locate(keys, local, whole=whole, writing=inflight.writing, count=count)
+        out, writing = found.tiers, set(found.writing)
         for name in shared:
             missing = [i for i, loc in enumerate(out) if loc is None]
             if not missing:

@@ -21,6 +21,7 @@ CHARTS: dict[str, Callable[[dict[str, Any], Path], Any]] = {
     "hit_rate_synthetic": hitrate_cli.plot,
     "hit_rate_mooncake": hitrate_cli.plot,
     "serve": serve_report.plot,
+    "serve_admission": serve_report.plot,
     "throughput": lambda doc, path: throughput.plot(doc["results"], path, "throughput"),
     "ttft": lambda doc, path: ttft.plot(doc["results"], path, "ttft"),
     "vllm_contention": vllm_contention.plot,

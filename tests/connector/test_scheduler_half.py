@@ -179,3 +179,19 @@ def test_may_load_async_says_yes_with_a_shared_tier_without_asking_it(harness: B
         monkeypatch.setattr(RedisTier, "contains", contains)
         assert h.conn.may_load_async(Request("r", TOKENS)) and asked == []
         assert h.conn.get_num_new_matched_tokens(Request("r", TOKENS), 0) == (0, False) and asked  # the lookup asks
+
+
+def test_a_lookup_counts_group_0s_chunks_in_the_directorys_stats_and_may_load_async_counts_nothing(
+        harness: Build) -> None:
+    """``kvtier_lookup_chunks_total{tier="local"}`` and its hits count what the scheduler's lookups ask of the
+    local tiers: the chunks of group 0 asked (up to the first miss of a full-attention group) and those found."""
+    h = harness(KVCacheConfig((FULL, SWA)))
+    h.place(TOKENS, 0, [0, 1])
+    h.place(TOKENS, 1, [1])
+    assert h.conn._scheduler is not None
+    stats = h.conn._scheduler.directory.stats
+    before = (stats.lookups, stats.hits)
+    assert h.conn.may_load_async(Request("a", TOKENS))  # several groups: asynchronous
+    assert (stats.lookups, stats.hits) == before
+    assert h.conn.get_num_new_matched_tokens(Request("b", TOKENS), 0) == (2 * C, True)
+    assert (stats.lookups - before[0], stats.hits - before[1]) == (4, 2)

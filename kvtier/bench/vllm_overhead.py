@@ -6,7 +6,13 @@ one engine process (``kvtier.bench.vllm_driver``) running the same model (defaul
 of width 512, float32, vLLM's prefix cache on as deployed): ``none`` (no connector) and kvtier with one tier,
 ``kvtier_cpu``, ``kvtier_disk`` or ``kvtier_redis`` (a private ``redis-server`` on a loopback port), or cpu with
 disk below it (``kvtier_cpu_disk``: what cpu holds is also copied to disk, ``policy.persist_max_lag``), chunks of
-``--chunk`` tokens, write-back; ``--policy`` adds kvtier policy settings (e.g. ``store_threshold=2``).
+``--chunk`` tokens, write-back; ``--policy`` adds kvtier policy settings (e.g. ``store_threshold=2``,
+``admission=all``).
+
+``--prime N``: before the rounds, each kvtier engine serves ``N`` new prompts (one output token each, untimed)
+with kvtier working, so that the rounds measure the save admission (``policy.admission: learned``, the default)
+once it has judged these prompts, not while it learns: it judges a class of requests after about two windows of
+offers (a window: the chunks the tiers hold) with no reuse seen. ``primed_counters`` holds the counters after it.
 
 Rounds: each round makes two sets of ``--burst`` new prompts, and every engine, in a shuffled order, runs both
 sets, each as a burst of requests back to back (each generating ``--output-tokens`` tokens), so that each
@@ -35,7 +41,7 @@ from typing import Any
 
 from kvtier.bench.output import add_output_arguments
 from kvtier.bench.vllm_driver import Engine, start_engines
-from kvtier.ops.argtypes import existing_path, key_value, non_negative_float, positive_int
+from kvtier.ops.argtypes import existing_path, key_value, non_negative_float, non_negative_int, positive_int
 from kvtier.ops.models import make_llama
 
 MODES = ("none", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "kvtier_cpu_disk")
@@ -47,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=positive_int, default=48, help="tokens generated per request")
     parser.add_argument("--rounds", type=positive_int, default=10, help="measured rounds (after one warm-up round)")
     parser.add_argument("--burst", type=positive_int, default=3, help="requests per engine turn, back to back")
+    parser.add_argument("--prime", type=non_negative_int, default=0,
+                        help="untimed new prompts each kvtier engine serves before the rounds (the admission learns)")
     parser.add_argument("--chunk", type=positive_int, default=32, help="kvtier chunk size (tokens)")
     parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
     parser.add_argument("--policy", type=key_value, action="append", default=[], metavar="KEY=VALUE",
@@ -102,6 +110,27 @@ def _turn(engine: Engine, sets: Sequence[list[list[int]]], on_set: int, output_t
             if r:
                 samples.setdefault(name, []).append(_sample(answer, output_tokens, (r, index, position)))
         engine.flush()  # untimed: this engine's saves finish before anything else is timed
+
+
+def prime(engines: Sequence[Engine], prompts: int, length: int) -> dict[str, dict[str, Any]]:
+    """Each kvtier engine serves ``prompts`` new prompts with kvtier working (one token each, untimed); returns
+    each one's counters after them."""
+    rng = random.Random(11)
+    counters = {}
+    for engine in engines:
+        if engine.mode == "none":
+            continue
+        engine.switch(True)
+        for _ in range(prompts):
+            engine.ask([rng.randrange(3, 1000) for _ in range(length)], 1)
+        counters[engine.mode] = engine.flush()
+    return counters
+
+
+def _less(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Counters counted since ``before`` (numbers; others as they are)."""
+    return {k: v - before.get(k, 0) if isinstance(v, int | float) and not isinstance(v, bool) else v
+            for k, v in after.items()}
 
 
 def measure(engines: Sequence[Engine], rounds: int, length: int, output_tokens: int, burst: int,
@@ -185,13 +214,14 @@ def run(args: argparse.Namespace) -> int:
                                                       args.policy) if mode != "none" else None)}
                  for mode in args.modes}
         engines = start_engines(stack, specs, workdir, extra)
+        primed = prime(engines, args.prime, length)
         samples, same = measure(engines, rounds, length, outputs, max(1, args.burst), args.settle)
-        counters = {e.mode: e.flush() for e in engines if e.mode != "none"}
+        counters = {e.mode: _less(e.flush(), primed.get(e.mode, {})) for e in engines if e.mode != "none"}
     table = summarize(samples)
     _print(table)
-    settings = {"length": length, "output_tokens": outputs, "rounds": rounds, "burst": args.burst,
+    settings = {"length": length, "output_tokens": outputs, "rounds": rounds, "burst": args.burst, "prime": args.prime,
                 "chunk_size": args.chunk, "policy": args.policy, "env": extra, "prefix_caching": True,
                 "settle_s": args.settle, "model": args.model or f"random Llama, {layers} layers x {hidden}, float32"}
     save_results(args, "vllm_overhead", {"settings": settings, "results": table, "same_tokens_as_none": same,
-                                         "kvtier_counters": counters, "raw": samples})
+                                         "kvtier_counters": counters, "primed_counters": primed, "raw": samples})
     return 0 if all(same.values()) else 1

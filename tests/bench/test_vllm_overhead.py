@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvtier.bench.vllm_overhead import MODES, kvtier_yaml
+from kvtier.bench.vllm_overhead import MODES, _less, kvtier_yaml, prime
 from kvtier.config import WritePolicy, load_config
 from kvtier.control.persist import enabled
 
@@ -18,3 +19,33 @@ def test_each_modes_config_loads_with_its_tiers(mode: str, tmp_path: Path) -> No
     assert [t.name for t in cfg.tiers] == mode.removeprefix("kvtier_").split("_")
     assert cfg.policy.write is WritePolicy.WRITE_BACK and cfg.policy.store_threshold == 2
     assert enabled(cfg.policy)  # with cpu above disk, what cpu holds is copied to disk as the engine runs
+
+
+class Handle:
+    """Stands in for an engine process's handle (kvtier.bench.vllm_driver.Engine): what ``prime`` sends it."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.on, self.saved = mode, False, 0
+        self.asked: list[tuple[int, int, bool]] = []
+
+    def switch(self, on: bool) -> None:
+        self.on = on
+
+    def ask(self, prompt: list[int], max_tokens: int) -> dict[str, object]:
+        self.asked.append((len(prompt), max_tokens, self.on))
+        self.saved += len(prompt) // 32
+        return {}
+
+    def flush(self) -> dict[str, object]:
+        return {"save_chunks": self.saved, "save_seconds": 0.5, "kvtier_disabled": False}
+
+
+def test_priming_sends_new_prompts_to_kvtier_engines_working_and_the_rounds_count_only_their_own_saves() -> None:
+    none, cpu = Handle("none"), Handle("kvtier_cpu")
+    engines: list[Any] = [none, cpu]
+    primed = prime(engines, 4, 64)
+    assert none.asked == [] and cpu.asked == [(64, 1, True)] * 4
+    assert primed == {"kvtier_cpu": {"save_chunks": 8, "save_seconds": 0.5, "kvtier_disabled": False}}
+    cpu.ask([0] * 96, 8)
+    assert _less(cpu.flush(), primed["kvtier_cpu"]) == {"save_chunks": 3, "save_seconds": 0.0,
+                                                        "kvtier_disabled": False}

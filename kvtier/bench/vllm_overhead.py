@@ -10,9 +10,10 @@ disk below it (``kvtier_cpu_disk``: what cpu holds is also copied to disk, ``pol
 ``admission=all``).
 
 ``--prime N``: before the rounds, each kvtier engine serves ``N`` new prompts (one output token each, untimed)
-with kvtier working, so that the rounds measure the save admission (``policy.admission: learned``, the default)
-once it has judged these prompts, not while it learns: it judges a class of requests after about two windows of
-offers (a window: the chunks the tiers hold) with no reuse seen. ``primed_counters`` holds the counters after it.
+with kvtier working, so that the rounds measure the save admission (``policy.admission: learned``, the
+default) once it has judged these prompts, not while it learns: with no reuse seen, it judges a class of
+requests once 256 of its offers are a window old (a window: as many chunks as the tiers hold).
+``primed_counters`` holds the counters after it.
 
 Rounds: each round makes two sets of ``--burst`` new prompts, and every engine, in a shuffled order, runs both
 sets, each as a burst of requests back to back (each generating ``--output-tokens`` tokens), so that each

@@ -115,12 +115,12 @@ def _turn(engine: Engine, sets: Sequence[list[list[int]]], on_set: int, output_t
 
 def prime(engines: Sequence[Engine], prompts: int, length: int) -> dict[str, dict[str, Any]]:
     """Each kvtier engine serves ``prompts`` new prompts with kvtier working (one token each, untimed); returns
-    each one's counters after them."""
-    rng = random.Random(11)
+    each one's counters after them. Every engine gets the same prompts."""
     counters = {}
     for engine in engines:
         if engine.mode == "none":
             continue
+        rng = random.Random(11)
         engine.switch(True)
         for _ in range(prompts):
             engine.ask([rng.randrange(3, 1000) for _ in range(length)], 1)
@@ -128,10 +128,13 @@ def prime(engines: Sequence[Engine], prompts: int, length: int) -> dict[str, dic
     return counters
 
 
+TOTALS = ("kvtier_disabled",)  # counters kept whole: kvtier disabled while priming is disabled in the rounds
+
+
 def _less(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """Counters counted since ``before`` (numbers; others as they are)."""
-    return {k: v - before.get(k, 0) if isinstance(v, int | float) and not isinstance(v, bool) else v
-            for k, v in after.items()}
+    """Counters counted since ``before`` (numbers, but ``TOTALS``; others as they are)."""
+    return {k: v - before.get(k, 0) if isinstance(v, int | float) and not isinstance(v, bool) and k not in TOTALS
+            else v for k, v in after.items()}
 
 
 def measure(engines: Sequence[Engine], rounds: int, length: int, output_tokens: int, burst: int,

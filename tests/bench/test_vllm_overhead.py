@@ -37,7 +37,7 @@ class Handle:
         return {}
 
     def flush(self) -> dict[str, object]:
-        return {"save_chunks": self.saved, "save_seconds": 0.5, "kvtier_disabled": False}
+        return {"save_chunks": self.saved, "save_seconds": 0.5, "kvtier_disabled": 1}
 
 
 def test_priming_sends_new_prompts_to_kvtier_engines_working_and_the_rounds_count_only_their_own_saves() -> None:
@@ -45,7 +45,7 @@ def test_priming_sends_new_prompts_to_kvtier_engines_working_and_the_rounds_coun
     engines: list[Any] = [none, cpu]
     primed = prime(engines, 4, 64)
     assert none.asked == [] and cpu.asked == [(64, 1, True)] * 4
-    assert primed == {"kvtier_cpu": {"save_chunks": 8, "save_seconds": 0.5, "kvtier_disabled": False}}
+    assert primed == {"kvtier_cpu": {"save_chunks": 8, "save_seconds": 0.5, "kvtier_disabled": 1}}
     cpu.ask([0] * 96, 8)
-    assert _less(cpu.flush(), primed["kvtier_cpu"]) == {"save_chunks": 3, "save_seconds": 0.0,
-                                                        "kvtier_disabled": False}
+    # kvtier disabled while priming stays disabled: that count is kept whole, not zeroed
+    assert _less(cpu.flush(), primed["kvtier_cpu"]) == {"save_chunks": 3, "save_seconds": 0.0, "kvtier_disabled": 1}

@@ -184,7 +184,8 @@ def test_may_load_async_says_yes_with_a_shared_tier_without_asking_it(harness: B
 def test_a_lookup_counts_group_0s_chunks_in_the_directorys_stats_and_may_load_async_counts_nothing(
         harness: Build) -> None:
     """``kvtier_lookup_chunks_total{tier="local"}`` and its hits count what the scheduler's lookups ask of the
-    local tiers: the chunks of group 0 asked (up to the first miss of a full-attention group) and those found."""
+    local tiers: the chunks of group 0 asked (up to the hit limit) and those found (up to the first miss of a
+    full-attention group)."""
     h = harness(KVCacheConfig((FULL, SWA)))
     h.place(TOKENS, 0, [0, 1])
     h.place(TOKENS, 1, [1])

@@ -159,14 +159,18 @@ def tier_entries(tiers: Sequence[str], workdir: Path, cpu_bytes: int, big_bytes:
     return entries
 
 
+def admission(mode: str) -> str:
+    """The save admission (``policy.admission``) of a kvtier mode: ``learned`` for the ``*_learned`` modes."""
+    return "learned" if mode.endswith("_learned") else "all"
+
+
 def kvtier_config(mode: str, workdir: Path, cpu_bytes: int, big_bytes: int, redis_url: str | None) -> str | None:
     """kvtier's config file for ``mode`` (None for the modes without kvtier)."""
     prefix, tiers = MODES[mode]
     if not tiers:
         return None
     entries = tier_entries(tiers, workdir, cpu_bytes, big_bytes, redis_url)
-    admission = "learned" if mode.endswith("_learned") else "all"
-    lines = [f"chunk_size: {BLOCK}", f"tiers: [{', '.join(entries)}]", f"policy: {{admission: {admission}}}"]
+    lines = [f"chunk_size: {BLOCK}", f"tiers: [{', '.join(entries)}]", f"policy: {{admission: {admission(mode)}}}"]
     if not prefix:
         lines.append("serve_without_prefix_caching: true")
     path = workdir / "kvtier.yaml"
@@ -271,7 +275,7 @@ def measure_point(point: dict[str, Any], model: str, settings: dict[str, Any], r
     serve_report.add_ratios(modes)
     chunk_bytes = BLOCK * settings["kv_bytes_per_token"]
     tiers = {m: [point["cpu_tier_bytes"] // chunk_bytes] + [point["big_tier_bytes"] // chunk_bytes] *
-             (len(MODES[m][1]) - 1) for m in modes if MODES[m][1] and not m.endswith("_learned")}
+             (len(MODES[m][1]) - 1) for m in modes if MODES[m][1] and admission(m) == "all"}
     if "prefix" in modes:
         tiers["prefix"] = []
     workload = hit_workload(requests, BLOCK)

@@ -116,7 +116,9 @@ def _turn(engine: Engine, sets: Sequence[list[list[int]]], on_set: int, output_t
 def prime(engines: Sequence[Engine], prompts: int, length: int) -> dict[str, dict[str, Any]]:
     """Each kvtier engine serves ``prompts`` new prompts with kvtier working (one token each, untimed); returns
     each one's counters after them. Every engine gets the same prompts."""
-    counters = {}
+    counters: dict[str, dict[str, Any]] = {}
+    if not prompts:
+        return counters
     for engine in engines:
         if engine.mode == "none":
             continue

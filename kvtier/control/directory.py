@@ -5,7 +5,7 @@ Lifecycle of a chunk in one tier::
     prepare_store(tier, [(key, size, parent)])  -> plans; the key is PENDING, its space reserved,
                                                    victims chosen by the tier's policy (READY, unpinned)
     complete_store(tier, keys, success)        -> READY (visible to lookup) or forgotten
-    touch / pin / unpin                         -> hits refresh the policy; pins protect in-flight reads
+    touch / pin / unpin / hold                  -> hits refresh the policy; pins protect in-flight reads
     remove(tier, keys)                          -> gone (deleted, corrupt, failed load)
 
 A plan list is executed in order by whoever holds the bytes (``TieredStore.execute``): each plan first
@@ -13,11 +13,19 @@ drops its ``evicted`` keys from its tier, then writes ``store`` (from the engine
 for write-back demotion). Shared tiers (Redis) are not tracked: their plans store everything, evict nothing.
 All methods take one lock, so a scheduler thread and an I/O thread may share a directory. Its counters
 (``stats``, a ``kvtier.control.metrics.DirectoryStats``) count the lookups it answers and the evictions it chooses.
+
+The tiers' policies are fed in order (insert, touch, remove), at once or, after ``defer_policy(schedule)``, queued
+and applied in batches that ``schedule`` runs on another thread (the I/O loop): a policy call costs tens of
+microseconds of Python (the adaptive policy runs two shadow caches), 32 of them per 2048-token hit, and the engine's
+thread is the one that asks. A tier's queue is applied whole before its policy chooses a victim, so an eviction
+sees every call made before it, as if none had been deferred.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,10 +35,22 @@ from kvtier.control.metrics import DirectoryStats
 from kvtier.control.policy import EvictionPolicy
 from kvtier.records.keys import Key
 
+logger = logging.getLogger(__name__)
+
+DRAIN_BATCH = 32  # policy calls applied per scheduled drain (about a millisecond of the lock and the GIL)
+MAX_QUEUED = 1 << 16  # queued policy calls per tier past which they are applied at once (a stalled drainer)
+Schedule = Callable[[Callable[[], None]], object]
+
 
 class ChunkState(Enum):
     PENDING = 1
     READY = 2
+
+
+class PolicyCall(Enum):
+    INSERT = 1
+    TOUCH = 2
+    REMOVE = 3
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,31 @@ class _TierIndex:
     entries: dict[Key, _Entry] = field(default_factory=dict)
     used: int = 0
     protected: set[Key] = field(default_factory=set)  # pinned or pending: never evicted
+    calls: deque[tuple[PolicyCall, Key, Key | None]] = field(default_factory=deque)  # not yet given to the policy
+    deferred: bool = False
+
+    def feed(self, call: PolicyCall, key: Key, parent: Key | None = None) -> None:
+        """Give the policy one call, or queue it when calls are deferred (in order, behind the queued ones)."""
+        if self.deferred and len(self.calls) < MAX_QUEUED:
+            self.calls.append((call, key, parent))
+            return
+        self.apply(len(self.calls))
+        self._call(call, key, parent)
+
+    def apply(self, limit: int) -> None:
+        """Give the policy up to ``limit`` queued calls, oldest first."""
+        calls = self.calls
+        for _ in range(min(limit, len(calls))):
+            self._call(*calls.popleft())
+
+    def _call(self, call: PolicyCall, key: Key, parent: Key | None) -> None:
+        policy = self.slot.policy
+        if call is PolicyCall.TOUCH:
+            policy.touch(key)
+        elif call is PolicyCall.INSERT:
+            policy.insert(key, parent)
+        else:
+            policy.remove(key)
 
     def ready(self, key: Key) -> bool:
         entry = self.entries.get(key)
@@ -91,7 +136,7 @@ class _TierIndex:
             return False
         self.used -= entry.size
         self.protected.discard(key)
-        self.slot.policy.remove(key)
+        self.feed(PolicyCall.REMOVE, key)
         return True
 
     def refresh(self, key: Key, entry: _Entry) -> None:
@@ -113,6 +158,8 @@ class Directory:
         self._lock = threading.RLock()
         self.stats = DirectoryStats()
         self.events: EventLog | None = None  # set to record what enters and leaves each tier (kvtier.control.events)
+        self._schedule: Schedule | None = None
+        self._drain_due = False
 
     def _emit(self, kind: EventKind, tier: str, keys: Iterable[Key]) -> None:
         if self.events is not None:
@@ -197,11 +244,20 @@ class Directory:
         return sum(len(t.entries) for t in self._tiers.values())
 
     def touch(self, tier: str, keys: Iterable[Key]) -> None:
+        """A hit on these keys: each READY one refreshes the tier's policy."""
         index = self._tiers[tier]
         with self._lock:
             for key in keys:
                 if index.ready(key):
-                    index.slot.policy.touch(key)
+                    index.feed(PolicyCall.TOUCH, key)
+            self._queued()
+
+    def hold(self, tier: str, keys: Iterable[Key]) -> None:
+        """A hit about to be read: pin the keys (``unpin`` after the read) and touch them, under one lock."""
+        keys = list(keys)
+        with self._lock:
+            self.pin(tier, keys)
+            self.touch(tier, keys)
 
     def pin(self, tier: str, keys: Iterable[Key]) -> None:
         index = self._tiers[tier]
@@ -247,8 +303,9 @@ class Directory:
             index.entries[key] = _Entry(size, ChunkState.PENDING, parent=parent)
             index.protected.add(key)
             index.used += size
-            index.slot.policy.insert(key, parent)
+            index.feed(PolicyCall.INSERT, key, parent)
             stored.append((key, source))
+        self._queued()
         plans: list[StorePlan] = []
         evicted_keys = [k for k, _, _ in evicted]
         if chain and evicted:
@@ -261,6 +318,7 @@ class Directory:
         if index.used + size <= capacity:
             return True
         protected = index.protected
+        index.apply(len(index.calls))  # the victim is chosen on every call made so far
         while index.used + size > capacity:
             victims = index.slot.policy.evict(1, protected)
             if not victims:
@@ -309,6 +367,7 @@ class Directory:
                 else:
                     index.drop(key)
             self._emit(EventKind.STORED, tier, ready)
+            self._queued()
 
     def remove(self, tier: str, keys: Iterable[Key]) -> int:
         index = self._tiers[tier]
@@ -321,6 +380,7 @@ class Directory:
                     if ready:
                         announced.append(key)
             self._emit(EventKind.REMOVED, tier, announced)
+            self._queued()
         return dropped
 
     def adopt(self, tier: str, entries: Iterable[tuple[Key, int]]) -> int:
@@ -333,6 +393,44 @@ class Directory:
                     continue
                 index.entries[key] = _Entry(size, ChunkState.READY)
                 index.used += size
-                index.slot.policy.insert(key, None)
+                index.feed(PolicyCall.INSERT, key)
                 adopted += 1
+            self._queued()
         return adopted
+
+    # ---- the policies' calls, deferred -------------------------------------------------------------------
+    def defer_policy(self, schedule: Schedule | None) -> None:
+        """Queue the policies' calls from now on, applied ``DRAIN_BATCH`` at a time by ``drain`` jobs handed to
+        ``schedule`` (e.g. an event loop's ``call_soon_threadsafe``); None: apply them at once again, the queued
+        ones first. A ``schedule`` that raises (its loop closed) turns deferring off."""
+        with self._lock:
+            self._schedule, self._drain_due = schedule, False
+            for index in self._tiers.values():
+                index.deferred = schedule is not None
+                if schedule is None:
+                    index.apply(len(index.calls))
+            self._queued()
+
+    def queued_calls(self) -> int:
+        """Policy calls queued and not yet applied, over every tier."""
+        with self._lock:
+            return sum(len(index.calls) for index in self._tiers.values())
+
+    def drain(self) -> None:
+        """Apply up to ``DRAIN_BATCH`` queued policy calls of each tier; schedule the next batch if any is left."""
+        with self._lock:
+            self._drain_due = False
+            for index in self._tiers.values():
+                index.apply(DRAIN_BATCH)
+            self._queued()
+
+    def _queued(self) -> None:
+        """Schedule a drain when calls are queued and none is due (under the lock)."""
+        if self._drain_due or self._schedule is None or not any(i.calls for i in self._tiers.values()):
+            return
+        try:
+            self._schedule(self.drain)
+            self._drain_due = True
+        except Exception as exc:  # the loop is closed: apply the calls here from now on
+            logger.debug("policy calls no longer deferred: %r", exc)
+            self.defer_policy(None)

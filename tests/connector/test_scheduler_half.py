@@ -9,6 +9,7 @@ Real tiers (a cpu pool and a disk tier in a tmp dir) behind a real TieredStore; 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from scheduler_harness import FULL, SCHED, SWA, TOKENS, Build, C, make_cfg, sche
 from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig, RedisTierConfig, WritePolicy
 from kvtier.connector.tiered import TieredConnector
+from kvtier.control.policy import LRUPolicy
 from kvtier.engine.types import KVCacheBlocks, KVConnectorOutput, Request, SchedulerOutput
 from kvtier.errors import ConfigError
 from kvtier.layout import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -196,3 +198,29 @@ def test_a_lookup_counts_group_0s_chunks_in_the_directorys_stats_and_may_load_as
     assert (stats.lookups, stats.hits) == before
     assert h.conn.get_num_new_matched_tokens(Request("b", TOKENS), 0) == (2 * C, True)
     assert (stats.lookups - before[0], stats.hits - before[1]) == (4, 2)
+
+
+def test_a_hits_policy_touches_run_on_the_io_loop_and_at_once_after_close(
+        harness: Build, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's thread queues a hit's policy calls (kvtier.control.directory.Directory.defer_policy); the
+    scheduler half's I/O loop applies them. Once it is closed, calls apply at once on the caller's thread."""
+    threads: list[str] = []
+    touch = LRUPolicy.touch
+
+    def recorded(self: LRUPolicy, key: bytes) -> None:
+        threads.append(threading.current_thread().name)
+        touch(self, key)
+
+    monkeypatch.setattr(LRUPolicy, "touch", recorded)
+    h = harness(KVCacheConfig((FULL,)))
+    h.place(TOKENS, 0, [0, 1, 2, 3])
+    req = Request("r", TOKENS)
+    assert h.conn.get_num_new_matched_tokens(req, 0)[0] == 4 * C
+    h.conn.update_state_after_alloc(req, KVCacheBlocks((list(range(1, 10)),)), 4 * C)
+    deadline = time.monotonic() + 5
+    while h.store.directory.queued_calls() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(threads) == 4 and threading.current_thread().name not in threads
+    h.conn.shutdown()
+    h.store.directory.touch("cpu", h.keys(TOKENS)[0][:1])
+    assert threads[-1] == threading.current_thread().name and h.store.directory.queued_calls() == 0

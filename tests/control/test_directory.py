@@ -1,13 +1,15 @@
-"""Directory (control plane): reservations, eviction, pins, demotion plans, lookup."""
+"""Directory (control plane): reservations, eviction, pins, demotion plans, lookup, deferred policy calls."""
 
 from __future__ import annotations
 
+import random
 import threading
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.control.directory import Directory, StorePlan, TierSlot
+from kvtier.control.directory import DRAIN_BATCH, Directory, StorePlan, TierSlot
 from kvtier.control.policy import LRUPolicy, make_policy
 
 
@@ -201,3 +203,86 @@ def test_demotion_keeps_the_parent_for_prefix_aware_policies() -> None:
     for p in d.prepare_store("t0", [(k(3), 10, k(2)), (k(4), 10, k(3))], ("t1",)):
         d.complete_store(p.tier, p.store, True)
     assert lower.parents == {k(1): None, k(2): k(1)}
+
+
+class Jobs:
+    """A ``schedule`` for ``Directory.defer_policy`` that keeps the jobs until the test runs them."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Callable[[], None]] = []
+
+    def __call__(self, job: Callable[[], None]) -> None:
+        self.jobs.append(job)
+
+    def run_all(self) -> int:
+        """Run jobs (and those they schedule) until none is left; how many ran."""
+        ran = 0
+        while self.jobs:
+            self.jobs.pop(0)()
+            ran += 1
+        return ran
+
+
+def test_deferred_policy_calls_wait_for_a_drain_but_a_victim_is_chosen_on_all_of_them() -> None:
+    policy = LRUPolicy()
+    d = Directory([TierSlot("t0", 30, policy)])
+    jobs = Jobs()
+    d.defer_policy(jobs)
+    store(d, "t0", [1, 2, 3])
+    d.touch("t0", [k(1)])
+    assert len(policy) == 0 and d.queued_calls() == 4 and len(jobs.jobs) == 1  # one drain due, nothing applied
+    store(d, "t0", [4])  # needs room: the queue is applied first, so key 1's touch counts
+    assert d.lookup([k(1)]) == ["t0"] and d.lookup([k(2)]) == []
+    assert d.queued_calls() == 1  # key 4's insert, queued behind the eviction
+    jobs.run_all()
+    assert d.queued_calls() == 0 and k(4) in policy
+
+
+def test_deferred_policy_calls_drain_in_batches_in_their_order() -> None:
+    """The same operations, deferred and drained in batches or applied at once, evict the same keys."""
+    rng = random.Random(7)
+    ops = [(rng.choice(["put", "put", "touch", "remove"]), rng.randrange(60)) for _ in range(600)]
+    victims = []
+    for deferred in (False, True):
+        d = Directory([TierSlot("t0", 200, make_policy("adaptive", 20))])
+        jobs = Jobs()
+        if deferred:
+            d.defer_policy(jobs)
+        gone = []
+        for n, (op, key) in enumerate(ops):
+            if op == "put":
+                gone += [p.evicted for p in store(d, "t0", [key])]
+            elif op == "touch":
+                d.touch("t0", [k(key)])
+            else:
+                d.remove("t0", [k(key)])
+            if n % 97 == 0:
+                assert jobs.run_all() <= 1 + d.queued_calls() // DRAIN_BATCH
+                assert d.queued_calls() == 0
+        victims.append(gone)
+    assert victims[0] == victims[1] and sum(map(len, victims[0])) > 50
+
+
+def test_a_schedule_that_fails_turns_deferring_off() -> None:
+    policy = LRUPolicy()
+    d = Directory([TierSlot("t0", 100, policy)])
+
+    def closed(job: Callable[[], None]) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    d.defer_policy(closed)
+    store(d, "t0", [1])
+    assert d.queued_calls() == 0 and k(1) in policy
+    store(d, "t0", [2])
+    assert k(2) in policy
+
+
+def test_hold_pins_and_touches_under_one_call() -> None:
+    d = make(30)
+    store(d, "t0", [1, 2, 3])
+    d.hold("t0", [k(1)])
+    store(d, "t0", [4])  # key 1 is pinned and most recent: key 2 goes
+    assert d.lookup([k(1)]) == ["t0"] and d.lookup([k(2)]) == []
+    d.unpin("t0", [k(1)])
+    store(d, "t0", [5])  # unpinned, key 1 is still more recent than key 3
+    assert d.lookup([k(3)]) == [] and d.lookup([k(1)]) == ["t0"]

@@ -77,6 +77,8 @@ class SchedulerHalf:
         self._inflight = InflightSaves(directory, tp_size, reports=save_reports)
         self._recovery = LoadRecovery(directory, self._inflight, self._placement)
         self._locator = Locator(directory, self._inflight, self._placement, self._needs, self._tiers, loop)
+        if loop is not None:  # the policies' calls run on the I/O loop, off the engine's thread
+            directory.defer_policy(loop.loop.call_soon_threadsafe)
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
         self._admission = self._make_admission()
@@ -203,8 +205,7 @@ class SchedulerHalf:
         pins: list[tuple[str, list[Key]]] = []
         for spec in specs:
             if not self.directory.is_shared(spec.tier):
-                self.directory.pin(spec.tier, spec.keys)
-                self.directory.touch(spec.tier, spec.keys)
+                self.directory.hold(spec.tier, spec.keys)
                 pins.append((spec.tier, list(spec.keys)))
         if hit.is_async:
             self._async_pins.setdefault(request.request_id, []).extend(pins)
@@ -436,7 +437,9 @@ class SchedulerHalf:
         return self._inflight.pending(req_id), None
 
     def close(self) -> None:
-        """Forget per-request state (the directory and tiers belong to the owner)."""
+        """Forget per-request state (the directory and tiers belong to the owner; its policies' calls are applied
+        at once from now on)."""
+        self.directory.defer_policy(None)
         self._requests.clear()
         self._hits.clear()
 

@@ -37,7 +37,7 @@ from kvtier.records.keys import Key
 
 logger = logging.getLogger(__name__)
 
-DRAIN_BATCH = 32  # policy calls applied per scheduled drain (about a millisecond of the lock and the GIL)
+DRAIN_BATCH = 8  # policy calls applied per scheduled drain (a few hundred microseconds of the lock and the GIL)
 MAX_QUEUED = 1 << 16  # queued policy calls per tier past which they are applied at once (a stalled drainer)
 Schedule = Callable[[Callable[[], None]], object]
 

@@ -264,19 +264,19 @@ class TieredStore:
         return out
 
     async def _read_tracked(self, name: str, keys: list[Key]) -> list[torch.Tensor | None]:
-        """Read from one tier with the keys pinned; failed reads leave the directory, hits refresh it."""
+        """Read from one tier with the keys held (pinned and touched, as the scheduler half holds a hit's keys:
+        ``Directory.hold``); failed reads leave the directory."""
         tier = self._tiers[name]
         if tier.is_shared:
             return await tier.get(keys)
-        self.directory.pin(name, keys)
+        self.directory.hold(name, keys)
         try:
             values = await tier.get(keys)
         finally:
             self.directory.unpin(name, keys)
-        failed = {k for k, v in zip(keys, values, strict=True) if v is None}
+        failed = [k for k, v in zip(keys, values, strict=True) if v is None]
         if failed:
             self.directory.remove(name, failed)
-        self.directory.touch(name, [k for k in keys if k not in failed])
         return values
 
     async def put(self, items: Sequence[tuple[Key, torch.Tensor]], tiers: Sequence[str] | None = None,

@@ -16,8 +16,10 @@ loads asynchronously and waits for ``finished_recving``.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvtier.config import KvtierConfig, TierKind
@@ -49,6 +51,16 @@ logger = logging.getLogger(__name__)
 SLOW_KINDS = frozenset({TierKind.DISK, TierKind.REDIS})
 
 
+POLICY_DRAIN_DELAY_S = 0.002  # a drain of queued policy calls waits out the step's other scheduler hooks
+
+
+def _later(loop: asyncio.AbstractEventLoop, job: Callable[[], None]) -> None:
+    """Run ``job`` on ``loop`` ``POLICY_DRAIN_DELAY_S`` from now: beside the engine's forward pass rather than
+    its scheduler hooks, which would wait for the directory's lock and the GIL (measured in vLLM's engine, one
+    process: a 2048-token cpu hit's ``build_connector_meta`` took 0.15 ms, 1.2-1.5 ms with the drain at once)."""
+    loop.call_soon_threadsafe(loop.call_later, POLICY_DRAIN_DELAY_S, job)
+
+
 class SchedulerHalf:
     """Lookups, load plans and save plans over a directory of the local tiers (+ shared tiers for lookups)."""
 
@@ -78,7 +90,7 @@ class SchedulerHalf:
         self._recovery = LoadRecovery(directory, self._inflight, self._placement)
         self._locator = Locator(directory, self._inflight, self._placement, self._needs, self._tiers, loop)
         if loop is not None:  # the policies' calls run on the I/O loop, off the engine's thread
-            directory.defer_policy(loop.loop.call_soon_threadsafe)
+            directory.defer_policy(functools.partial(_later, loop.loop))
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
         self._admission = self._make_admission()

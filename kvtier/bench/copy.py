@@ -22,6 +22,8 @@ from kvtier.bench.output import add_output_arguments
 from kvtier.ops.argtypes import positive_int
 
 ORDERS = ("ascending", "descending", "scattered")
+LAYOUTS = ("pages", "kv_first")
+TOKENS, HEADS = 32, 4  # a kv_first block: 32 tokens of 4 heads (the head size follows from the page size)
 TARGET = 0.8  # the scatter should reach this fraction of a plain copy's speed
 
 
@@ -32,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks-per-chunk", type=positive_int, default=2, help="blocks of one chunk")
     parser.add_argument("--repeats", type=positive_int, default=30, help="timed rounds")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's own)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="pages",
+                        help="the layers' layout: pages ([blocks, page], vLLM >= 0.32 on CPU) or kv_first ([2, "
+                             "blocks, 32 tokens, 4 heads, head size], FlashAttention's on GPU)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (results copy-quick)")
     add_output_arguments(parser, "copy", chart=False)
 
@@ -46,7 +51,8 @@ def block_orders(chunks: int, bpc: int, num_blocks: int, seed: int = 5) -> dict[
             for name, ids in zip(ORDERS, (fresh, reused, scattered), strict=True)}
 
 
-def measure(layers_n: int, page_bytes: int, chunks: int, bpc: int, repeats: int) -> dict[str, Any]:
+def measure(layers_n: int, page_bytes: int, chunks: int, bpc: int, repeats: int,
+            layout: str = "pages") -> dict[str, Any]:
     """Seconds of a plain copy and of the scatter per block order, interleaved; raises AssertionError when a
     scatter wrote other bytes than the records'."""
     import torch
@@ -55,29 +61,45 @@ def measure(layers_n: int, page_bytes: int, chunks: int, bpc: int, repeats: int)
 
     page = page_bytes // 4
     num_blocks = 2 * chunks * bpc + 2
-    layers = [torch.zeros(num_blocks, page) for _ in range(layers_n)]
+    kind = KVLayout(layout)
+    head = page // (2 * TOKENS * HEADS)
+    shape = (num_blocks, page) if kind is KVLayout.PAGES else (2, num_blocks, TOKENS, HEADS, head)
+    chunk = (layers_n, bpc, page) if kind is KVLayout.PAGES else (layers_n, 2, bpc * TOKENS, HEADS, head)
+    layers = [torch.zeros(shape) for _ in range(layers_n)]
     record = layers_n * bpc * page
     pool = torch.randn(chunks * record, generator=torch.Generator().manual_seed(3))
-    payloads = [pool[i * record:(i + 1) * record].view(layers_n, bpc, page) for i in range(chunks)]
+    payloads = [pool[i * record:(i + 1) * record].view(chunk) for i in range(chunks)]
     plain_src, plain_dst = pool.clone(), torch.zeros_like(pool)
     orders = block_orders(chunks, bpc, num_blocks)
+
     def scatter_timed(ids: list[list[int]]) -> Callable[[], float]:
-        return lambda: timed(lambda: scatter(layers, ids, KVLayout.PAGES, payloads))
+        return lambda: timed(lambda: scatter(layers, ids, kind, payloads))
 
     runs: dict[str, Callable[[], float]] = {"plain_copy": lambda: timed(lambda: plain_dst.copy_(plain_src))}
     runs.update((name, scatter_timed(ids)) for name, ids in orders.items())
     samples = interleave(runs, repeats)
     for ids in orders.values():
-        scatter(layers, ids, KVLayout.PAGES, payloads)
+        scatter(layers, ids, kind, payloads)
         for i, chunk_ids in enumerate(ids):
             for j, b in enumerate(chunk_ids):
-                assert all(torch.equal(t[b], payloads[i][li, j]) for li, t in enumerate(layers)), "wrong KV"
+                assert all(torch.equal(_block(t, b, kind), _part(payloads[i][li], j, kind))
+                           for li, t in enumerate(layers)), "wrong KV"
     nbytes = chunks * record * 4
     plain = Spread.of(samples["plain_copy"]).median
     result: dict[str, Any] = {"bytes": nbytes, "plain_copy": _row(samples["plain_copy"], nbytes, plain)}
     for name in orders:
         result[name] = _row(samples[name], nbytes, plain)
     return result
+
+
+def _block(layer: Any, block: int, layout: Any) -> Any:
+    """One block of one layer: its page, or its K and V rows (``[2, tokens, heads, head]``)."""
+    return layer[block] if layout.value == "pages" else layer[:, block]
+
+
+def _part(payload: Any, j: int, layout: Any) -> Any:
+    """Block ``j`` of one layer's part of a chunk's payload, shaped as ``_block`` gives it."""
+    return payload[j] if layout.value == "pages" else payload[:, j * TOKENS:(j + 1) * TOKENS]
 
 
 def _row(samples: list[float], nbytes: int, plain: float) -> dict[str, Any]:
@@ -93,17 +115,19 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     chunks, page_kib, repeats = (4, 16, 3) if args.quick else (args.chunks, args.page_kib, args.repeats)
     layers_n, bpc = (2, 2) if args.quick else (args.layers, args.blocks_per_chunk)
-    result = measure(layers_n, page_kib << 10, chunks, bpc, repeats)
+    result = measure(layers_n, page_kib << 10, chunks, bpc, repeats, args.layout)
     print(f"{format_size(result['bytes'])}, {chunks} chunks x {bpc} blocks x {layers_n} layers of {page_kib} KiB "
-          f"pages, {torch.get_num_threads()} torch thread(s); target >= {TARGET}x a plain copy")
+          f"blocks ({args.layout}), {torch.get_num_threads()} torch thread(s); target >= {TARGET}x a plain copy")
     print(f"{'copy':<12} {'median ms':>10} {'GB/s':>7} {'x plain':>8}")
     for name in ("plain_copy", *ORDERS):
         row = result[name]
         print(f"{name:<12} {row['seconds']['median'] * 1e3:10.2f} {row['gb_per_s']:7.2f} "
               f"{row['speed_vs_plain_copy']:8.2f}")
     settings = {"layers": layers_n, "page_bytes": page_kib << 10, "chunks": chunks, "blocks_per_chunk": bpc,
-                "repeats": repeats, "torch_threads": torch.get_num_threads(), "dtype": "float32", "target": TARGET}
-    save_results(args, "copy", {"settings": settings, "results": result})
+                "repeats": repeats, "torch_threads": torch.get_num_threads(), "dtype": "float32", "target": TARGET,
+                "layout": args.layout}
+    save_results(args, "copy" if args.layout == "pages" else f"copy_{args.layout}",
+                 {"settings": settings, "results": result})
     return 0
 
 

@@ -30,3 +30,17 @@ def wide(layers: Sequence[torch.Tensor], payloads: Sequence[torch.Tensor], dtype
 def index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """Block ids as an index tensor on ``device``."""
     return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+def spacing(chunks: Sequence[torch.Tensor]) -> int | None:
+    """The fixed distance in elements between consecutive payloads that lie in one storage without overlapping
+    (records of one put in consecutive pool slots, or one stacked tensor), else None."""
+    first = chunks[0]
+    storage, step = first.untyped_storage().data_ptr(), first.numel()
+    for i in range(1, len(chunks)):
+        cur = chunks[i]
+        gap, rest = divmod(cur.data_ptr() - chunks[i - 1].data_ptr(), cur.element_size())
+        if cur.untyped_storage().data_ptr() != storage or rest or gap < cur.numel() or (i > 1 and gap != step):
+            return None
+        step = gap
+    return step

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.kvcopy.common import GATHER_DTYPES, SCATTER_DTYPES, index, wide
+from kvtier.kvcopy.common import GATHER_DTYPES, SCATTER_DTYPES, index, spacing, wide
 from kvtier.layout.geometry import NULL_BLOCK, KVLayout, chunk_runs, dense_pages, id_runs, non_null
 
 
@@ -53,20 +53,6 @@ def gather_into(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int
             cols = idx.view(n, bpc)
             for j in range(bpc):
                 torch.index_select(t, 0, cols[:, j], out=wide_out[:, li, j])
-
-
-def _spacing(chunks: Sequence[torch.Tensor]) -> int | None:
-    """The fixed distance in elements between consecutive payloads that lie in one storage without overlapping
-    (records of one put in consecutive pool slots, or one stacked tensor), else None."""
-    first = chunks[0]
-    storage, step = first.untyped_storage().data_ptr(), first.numel()
-    for i in range(1, len(chunks)):
-        cur = chunks[i]
-        gap, rest = divmod(cur.data_ptr() - chunks[i - 1].data_ptr(), cur.element_size())
-        if cur.untyped_storage().data_ptr() != storage or rest or gap < cur.numel() or (i > 1 and gap != step):
-            return None
-        step = gap
-    return step
 
 
 def _even_runs(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
@@ -155,7 +141,7 @@ def scatter_into(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[in
     rows = [page_rows(t) for t in layers]
     _check_ids(block_ids, rows[0].shape[0])
     if all(r.dim() == 2 for r in rows):
-        step = _spacing(chunks)
+        step = spacing(chunks)
         if step is not None and (_select_into(rows, block_ids, chunks[0], step)
                                  or _scatter_columns(rows, block_ids, chunks[0], step)):
             return

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.kvcopy import blocked, paged
-from kvtier.kvcopy.common import index
+from kvtier.kvcopy.common import index, spacing
 from kvtier.layout.geometry import (
     NULL_BLOCK,
     KVLayout,
@@ -122,10 +122,27 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], l
     return out
 
 
+def _back_to_back(payloads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The payloads as one stacked view when they lie back to back in one storage, each contiguous and of one
+    shape and dtype (records of one put in consecutive pool slots, or one read into evenly spaced slots, whose
+    slots are exactly a record long); else None."""
+    if len(payloads) < 2:
+        return None
+    first = payloads[0]
+    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device or not p.is_contiguous()
+           for p in payloads):
+        return None
+    if spacing(payloads) != first.numel():
+        return None
+    return first.as_strided((len(payloads), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
+
+
 def _on_device(payloads: torch.Tensor | Sequence[torch.Tensor], device: torch.device, n: int,
                expected: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The payloads on ``device``, contiguous, one per chunk (and stacked, if they came so); raises
     ``ValueError`` when their shapes are not ``n`` of ``expected``."""
+    if not isinstance(payloads, torch.Tensor) and (stacked := _back_to_back(payloads)) is not None:
+        payloads = stacked  # one transfer, and no stacking copy (kv_first with more chunks than blocks per chunk)
     if isinstance(payloads, torch.Tensor):
         data = payloads.to(device=device, non_blocking=True).contiguous()
         if tuple(data.shape) != (n, *expected):

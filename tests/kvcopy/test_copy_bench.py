@@ -38,3 +38,13 @@ def test_bad_option_is_one_line_and_exit_2(tmp_path: Path) -> None:
                            str(tmp_path / "c.json")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) <= 2
+
+
+def test_quick_run_of_the_kv_first_layout_checks_and_saves_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "copy_kv_first.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.copy", "--quick", "--layout", "kv_first", "--json",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(out.read_text())
+    assert body["settings"]["layout"] == "kv_first" and "(kv_first)" in proc.stdout
+    assert all(body["results"][name]["gb_per_s"] > 0 for name in ORDERS)

@@ -333,3 +333,36 @@ def test_page_scatter_to_a_block_past_the_layer_raises_and_writes_no_other_block
     with pytest.raises(IndexError, match="outside the layers"):  # checked before any write (a device would assert)
         scatter(dst, [[NUM_BLOCKS - 2, NUM_BLOCKS - 1], [NUM_BLOCKS, NUM_BLOCKS + 1]], KVLayout.PAGES, payload)
     assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
+
+
+@pytest.mark.parametrize("gap", [0, 64])
+def test_kv_first_records_back_to_back_scatter_with_no_stacking_copy(gap: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records in consecutive pool slots (a memory tier's borrow) are one stacked view: more chunks than blocks per
+    chunk take the per-column path without ``torch.stack`` (a second copy of every byte, into fresh memory). With a
+    gap between them they are stacked as before. Either way each block gets its chunk's rows."""
+    n = 6  # chunks of 2 blocks: more chunks than blocks per chunk
+    src = _paged(KVLayout.KV_FIRST, 3, torch.float32, seed=1)
+    payload = gather(src, [[2 * i + 1, 2 * i + 2] for i in range(n)], KVLayout.KV_FIRST)
+    record = payload[0].numel()
+    pool = torch.zeros(n * (record + gap))
+    views = []
+    for i in range(n):
+        start = i * (record + gap)
+        pool[start:start + record] = payload[i].reshape(-1)
+        views.append(pool[start:start + record].view(payload[0].shape))
+    stack = torch.stack
+    stacked: list[int] = []
+
+    def counted(tensors: list[torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
+        stacked.append(len(tensors))
+        return stack(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "stack", counted)
+    targets = [[23 - 2 * i, 22 - 2 * i] for i in range(n)]
+    dst = [torch.zeros_like(t) for t in src]
+    scatter(dst, targets, KVLayout.KV_FIRST, views)
+    assert stacked == ([] if gap == 0 else [n])
+    for li in range(3):
+        for i, ids in enumerate(targets):
+            for j, b in enumerate(ids):
+                assert torch.equal(dst[li][:, b], payload[i, li][:, j * BS:(j + 1) * BS])

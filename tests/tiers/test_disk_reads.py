@@ -15,7 +15,7 @@ from contract import assert_same, key, rand
 from disk_helpers import disk
 
 from kvtier.bench.measure import drop_page_cache
-from kvtier.kvcopy.paged import _spacing
+from kvtier.kvcopy.common import spacing
 from kvtier.records.codec import slot_aligned
 from kvtier.tiers.disk.io import READ_STREAMS
 
@@ -175,7 +175,7 @@ async def test_a_batch_of_equal_records_lands_evenly_spaced_in_one_buffer(tmp_pa
     assert len({v.untyped_storage().data_ptr() for v in got if v is not None}) == 1
     starts = [v.data_ptr() for v in got if v is not None]
     assert {b - a for a, b in itertools.pairwise(starts)} == {slot_aligned(96_000)} and starts[0] % 4096 == 0
-    assert _spacing([v for v in got if v is not None]) == slot_aligned(96_000) // 4
+    assert spacing([v for v in got if v is not None]) == slot_aligned(96_000) // 4
     if hmac_key is not None:
         forger = await disk(tmp_path, capacity=1 << 26, hmac_key=b"k2")  # same size, another key: a forgery
         await forger.put([(key(2), rand(shape, seed=99))])

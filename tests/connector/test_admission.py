@@ -201,3 +201,24 @@ def _offered(h: Harness) -> tuple[int, int]:
     stats = h.conn.get_kv_connector_stats()
     data = stats.data if stats is not None else {}
     return data.get("directory_admitted", 0), data.get("directory_declined", 0)
+
+
+def test_the_lag_follows_reuses_that_come_sooner_than_before() -> None:
+    """The reuse ages are counted with a half-life of one window: after many windows of reuses a whole window
+    late, reuses that come 4 offers after their offer bring the lag down within a few windows (without the decay
+    it would take as many windows as came before)."""
+    window = 64
+    gate = SaveAdmission(ghosts=window, min_reuse=0.1)
+
+    def rounds(n: int, age: int, start: int) -> None:
+        for r in range(start, start + n):
+            keys = [Key(r.to_bytes(4, "big") + i.to_bytes(4, "big") * 7) for i in range(window)]
+            for i, key in enumerate(keys):
+                gate.offer(0, [key])
+                if i >= age:
+                    gate.asked([keys[i - age]])
+
+    rounds(40, window - 2, 0)
+    assert gate.lag() == window
+    rounds(4, 4, 40)
+    assert gate.lag() <= 8

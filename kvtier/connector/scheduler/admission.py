@@ -15,7 +15,8 @@ again slows the requests it does not help (the copies out of the engine's blocks
 * **The decision.** A class is saved while its reuses reach ``min_reuse`` per offer. A reuse comes long after its
   offer (a conversation's next turn), so the reuses of the last window (as many offers as the ghosts hold) are
   compared with the offers of one window that ended that long ago: most of their reuses have been seen. That lag
-  is the age (in offers) within which four in five reuses came; before any reuse it is the whole window. A class
+  is the age (in offers) within which four in five reuses came, counted with a half-life of one window so that it
+  follows a workload whose reuses come sooner or later than before; before any reuse it is the whole window. A class
   with fewer than ``WARMUP`` offers in that matched window is saved, so a new workload starts saving and a reuse
   that takes long is never judged before it could come. A request decides once, at its first save, and keeps the
   decision, so what it saves is always a whole prefix.
@@ -63,7 +64,7 @@ class SaveAdmission:
         self._offered = 0  # offers so far
         self._step = max(1, self.window // MARKS_PER_WINDOW)
         self._marks: deque[tuple[int, list[int], list[int]]] = deque()  # (offers so far, offers, reuses)
-        self._ages = [0] * AGE_BINS  # reuses by the bit length of their age in offers
+        self._ages = [0.0] * AGE_BINS  # reuses by the bit length of their age in offers, halved every window
 
     def admits(self, cls: int) -> bool:
         """Whether a request of class ``cls`` saves its chunks now."""
@@ -78,11 +79,12 @@ class SaveAdmission:
         return offered, reused
 
     def lag(self) -> int:
-        """Offers within which ``LAG_SHARE`` of the reuses so far came after their offer (the window before any)."""
+        """Offers within which ``LAG_SHARE`` of the reuses came after their offer, older ones counting half per window
+        (the window before any reuse)."""
         total = sum(self._ages)
         if not total:
             return self.window
-        seen = 0
+        seen = 0.0
         for bits, n in enumerate(self._ages):
             seen += n
             if seen >= LAG_SHARE * total:
@@ -109,6 +111,8 @@ class SaveAdmission:
                 self._marks.append((self._offered, list(self.offers), list(self.reuses)))
                 while self._marks[0][0] < self._offered - 2 * self.window - self._step:
                     self._marks.popleft()
+            if self._offered % self.window == 0:
+                self._ages = [n / 2 for n in self._ages]
         while len(ghosts) > self.window:
             ghosts.popitem(last=False)
 

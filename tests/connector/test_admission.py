@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from scheduler_harness import FULL, Build, Harness, schedule_new
+from scheduler_harness import FULL, MAMBA, Build, Harness, schedule_new
 from scheduler_harness import C as SC
 from worker_kit import A_IDS, B_IDS, C, Engine, make_cfg, paged
 
@@ -31,8 +31,9 @@ from kvtier.connector.scheduler.admission import SaveAdmission, request_class
 from kvtier.connector.scheduler.half import SchedulerHalf
 from kvtier.control.directory import Directory, TierSlot
 from kvtier.control.policy import make_policy
-from kvtier.engine.types import KVCacheBlocks, NewRequestData, Request, SchedulerOutput
+from kvtier.engine.types import KVCacheBlocks, KVConnectorBlockState, NewRequestData, Request, SchedulerOutput
 from kvtier.layout import KVCacheConfig
+from kvtier.layout.geometry import NULL_BLOCK
 from kvtier.records.keys import Key
 
 KEYS = [Key(i.to_bytes(4, "big") * 8) for i in range(64)]
@@ -222,3 +223,38 @@ def test_the_lag_follows_reuses_that_come_sooner_than_before() -> None:
     assert gate.lag() == window
     rounds(4, 4, 40)
     assert gate.lag() <= 8
+
+
+def test_with_a_store_threshold_only_chunks_asked_for_often_enough_are_offered(
+        harness: Build, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``policy.store_threshold`` goes first: a prompt asked for once is neither saved nor offered (the admission
+    learns nothing from chunks no request could save); asked for a second time, the chunks its lookups asked for
+    are offered and saved: all but the last, which no lookup of this prompt asks for (one token is always
+    computed)."""
+    monkeypatch.setattr(admission, "WARMUP", 1)
+    cfg = KvtierConfig(chunk_size=SC, tiers=(CpuTierConfig("cpu", 1 << 20),),
+                       policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_BACK, admission="learned",
+                                           store_threshold=2))
+    h = harness(KVCacheConfig((FULL,)), cfg=cfg)
+    tokens, ids = [6000 + t for t in range(7 * SC)], list(range(1, 15))
+    assert _planned(h, "a", tokens, ids) == [] and _offered(h) == (0, 0)
+    assert _planned(h, "b", tokens, ids) == list(range(6)) and _offered(h) == (6, 0)
+
+
+def test_a_declined_hybrid_request_saves_neither_its_kv_nor_its_recurrent_states(
+        harness: Build, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid model's states are saved under the request's one decision, as its attention KV is: a state without
+    its attention prefix (or the reverse) is no hit."""
+    monkeypatch.setattr(admission, "WARMUP", 1)
+    monkeypatch.setattr(admission, "MAX_GHOSTS", 2)  # a window of 2 chunks: the first request fills two
+    h = harness(KVCacheConfig((FULL, MAMBA)), cfg=_learned((CpuTierConfig("cpu", 1 << 20),)))
+    saved = []
+    for i in range(2):
+        name, tokens = f"r{i}", [1000 * (i + 1) + t for t in range(4 * SC + 1)]
+        h.conn.get_num_new_matched_tokens(Request(name, tokens), 0)
+        blocks = (list(range(1, 10)), [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 21])
+        meta = h.conn.build_connector_meta(SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData(name, tokens, blocks, 0)], num_scheduled_tokens={name: 4 * SC},
+            kv_connector_block_state=KVConnectorBlockState({name: [(1, 21, 4 * SC)]})))
+        saved.append(sorted((spec.group, len(spec.keys)) for spec in meta.saves))
+    assert saved == [[(0, 4), (1, 1)], []]  # warming up: KV and the state at chunk 3; then declined: neither

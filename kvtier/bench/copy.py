@@ -15,11 +15,15 @@ import argparse
 import random
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.bench.measure import Spread, format_size, gbps, interleave, save_results, timed
 from kvtier.bench.output import add_output_arguments
+from kvtier.layout.geometry import KVLayout
 from kvtier.ops.argtypes import positive_int
+
+if TYPE_CHECKING:
+    import torch
 
 ORDERS = ("ascending", "descending", "scattered")
 LAYOUTS = ("pages", "kv_first")
@@ -57,7 +61,7 @@ def measure(layers_n: int, page_bytes: int, chunks: int, bpc: int, repeats: int,
     scatter wrote other bytes than the records'."""
     import torch
 
-    from kvtier.kvcopy.transfer import KVLayout, scatter
+    from kvtier.kvcopy.transfer import scatter
 
     page = page_bytes // 4
     num_blocks = 2 * chunks * bpc + 2
@@ -92,14 +96,14 @@ def measure(layers_n: int, page_bytes: int, chunks: int, bpc: int, repeats: int,
     return result
 
 
-def _block(layer: Any, block: int, layout: Any) -> Any:
+def _block(layer: torch.Tensor, block: int, layout: KVLayout) -> torch.Tensor:
     """One block of one layer: its page, or its K and V rows (``[2, tokens, heads, head]``)."""
-    return layer[block] if layout.value == "pages" else layer[:, block]
+    return layer[block] if layout is KVLayout.PAGES else layer[:, block]
 
 
-def _part(payload: Any, j: int, layout: Any) -> Any:
+def _part(payload: torch.Tensor, j: int, layout: KVLayout) -> torch.Tensor:
     """Block ``j`` of one layer's part of a chunk's payload, shaped as ``_block`` gives it."""
-    return payload[j] if layout.value == "pages" else payload[:, j * TOKENS:(j + 1) * TOKENS]
+    return payload[j] if layout is KVLayout.PAGES else payload[:, j * TOKENS:(j + 1) * TOKENS]
 
 
 def _row(samples: list[float], nbytes: int, plain: float) -> dict[str, Any]:

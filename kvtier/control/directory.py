@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ from kvtier.records.keys import Key
 
 logger = logging.getLogger(__name__)
 
-DRAIN_BATCH = 8  # policy calls applied per scheduled drain (a few hundred microseconds of the lock and the GIL)
-MAX_QUEUED = 1 << 16  # queued policy calls per tier past which they are applied at once (a stalled drainer)
+DRAIN_BATCH = 8  # policy calls applied between two looks at the clock
+DRAIN_BUDGET_S = 0.0003  # the longest a drain job holds the lock (and the GIL) before it yields to a next one
+MAX_QUEUED = 4096  # queued policy calls per tier past which the oldest are applied by the caller (a stalled drainer)
+LOST_DRAIN_S = 1.0  # a drain job that has not run after this long is taken as lost (its loop stopped) and replaced
 Schedule = Callable[[Callable[[], None]], object]
 
 
@@ -104,12 +107,15 @@ class _TierIndex:
     deferred: bool = False
 
     def feed(self, call: PolicyCall, key: Key, parent: Key | None = None) -> None:
-        """Give the policy one call, or queue it when calls are deferred (in order, behind the queued ones)."""
-        if self.deferred and len(self.calls) < MAX_QUEUED:
-            self.calls.append((call, key, parent))
+        """Give the policy one call, or queue it when calls are deferred (in order, behind the queued ones; a full
+        queue applies its oldest ``DRAIN_BATCH`` first)."""
+        if not self.deferred:
+            self.apply(len(self.calls))
+            self._call(call, key, parent)
             return
-        self.apply(len(self.calls))
-        self._call(call, key, parent)
+        if len(self.calls) >= MAX_QUEUED:
+            self.apply(DRAIN_BATCH)
+        self.calls.append((call, key, parent))
 
     def apply(self, limit: int) -> None:
         """Give the policy up to ``limit`` queued calls, oldest first."""
@@ -159,7 +165,7 @@ class Directory:
         self.stats = DirectoryStats()
         self.events: EventLog | None = None  # set to record what enters and leaves each tier (kvtier.control.events)
         self._schedule: Schedule | None = None
-        self._drain_due = False
+        self._drain_due: float | None = None  # when the drain job not yet run was scheduled
 
     def _emit(self, kind: EventKind, tier: str, keys: Iterable[Key]) -> None:
         if self.events is not None:
@@ -250,7 +256,7 @@ class Directory:
             for key in keys:
                 if index.ready(key):
                     index.feed(PolicyCall.TOUCH, key)
-            self._queued()
+            self._schedule_drain()
 
     def hold(self, tier: str, keys: Iterable[Key]) -> None:
         """A hit about to be read: pin the keys (``unpin`` after the read) and touch them, under one lock."""
@@ -305,7 +311,7 @@ class Directory:
             index.used += size
             index.feed(PolicyCall.INSERT, key, parent)
             stored.append((key, source))
-        self._queued()
+        self._schedule_drain()
         plans: list[StorePlan] = []
         evicted_keys = [k for k, _, _ in evicted]
         if chain and evicted:
@@ -367,7 +373,7 @@ class Directory:
                 else:
                     index.drop(key)
             self._emit(EventKind.STORED, tier, ready)
-            self._queued()
+            self._schedule_drain()
 
     def remove(self, tier: str, keys: Iterable[Key]) -> int:
         index = self._tiers[tier]
@@ -380,7 +386,7 @@ class Directory:
                     if ready:
                         announced.append(key)
             self._emit(EventKind.REMOVED, tier, announced)
-            self._queued()
+            self._schedule_drain()
         return dropped
 
     def adopt(self, tier: str, entries: Iterable[tuple[Key, int]]) -> int:
@@ -395,21 +401,21 @@ class Directory:
                 index.used += size
                 index.feed(PolicyCall.INSERT, key)
                 adopted += 1
-            self._queued()
+            self._schedule_drain()
         return adopted
 
     # ---- the policies' calls, deferred -------------------------------------------------------------------
     def defer_policy(self, schedule: Schedule | None) -> None:
-        """Queue the policies' calls from now on, applied ``DRAIN_BATCH`` at a time by ``drain`` jobs handed to
-        ``schedule`` (e.g. an event loop's ``call_soon_threadsafe``); None: apply them at once again, the queued
-        ones first. A ``schedule`` that raises (its loop closed) turns deferring off."""
+        """Queue the policies' calls from now on, applied by ``drain`` jobs handed to ``schedule`` (e.g. one that
+        runs them on an event loop); None: apply them at once again, the queued ones first. A ``schedule`` that
+        raises (its loop closed) turns deferring off."""
         with self._lock:
-            self._schedule, self._drain_due = schedule, False
+            self._schedule, self._drain_due = schedule, None
             for index in self._tiers.values():
                 index.deferred = schedule is not None
                 if schedule is None:
                     index.apply(len(index.calls))
-            self._queued()
+            self._schedule_drain()
 
     def queued_calls(self) -> int:
         """Policy calls queued and not yet applied, over every tier."""
@@ -417,20 +423,25 @@ class Directory:
             return sum(len(index.calls) for index in self._tiers.values())
 
     def drain(self) -> None:
-        """Apply up to ``DRAIN_BATCH`` queued policy calls of each tier; schedule the next batch if any is left."""
+        """Apply queued policy calls, oldest first, for at most ``DRAIN_BUDGET_S``; schedule another drain for
+        what is left."""
         with self._lock:
-            self._drain_due = False
+            self._drain_due = None
+            deadline = time.perf_counter() + DRAIN_BUDGET_S
             for index in self._tiers.values():
-                index.apply(DRAIN_BATCH)
-            self._queued()
+                while index.calls and time.perf_counter() < deadline:
+                    index.apply(DRAIN_BATCH)
+            self._schedule_drain()
 
-    def _queued(self) -> None:
-        """Schedule a drain when calls are queued and none is due (under the lock)."""
-        if self._drain_due or self._schedule is None or not any(i.calls for i in self._tiers.values()):
+    def _schedule_drain(self) -> None:
+        """Schedule a drain when calls are queued and no drain is due (under the lock)."""
+        due = self._drain_due
+        if (due is not None and time.monotonic() - due < LOST_DRAIN_S) or self._schedule is None \
+                or not any(i.calls for i in self._tiers.values()):
             return
         try:
             self._schedule(self.drain)
-            self._drain_due = True
+            self._drain_due = time.monotonic()
         except Exception as exc:  # the loop is closed: apply the calls here from now on
             logger.debug("policy calls no longer deferred: %r", exc)
             self.defer_policy(None)

@@ -6,9 +6,11 @@ import random
 import threading
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.control import directory
 from kvtier.control.directory import DRAIN_BATCH, Directory, StorePlan, TierSlot
 from kvtier.control.policy import LRUPolicy, make_policy
 
@@ -244,11 +246,11 @@ def test_deferred_policy_calls_drain_in_batches_in_their_order() -> None:
     ops = [(rng.choice(["put", "put", "touch", "remove"]), rng.randrange(60)) for _ in range(600)]
     victims = []
     for deferred in (False, True):
-        d = Directory([TierSlot("t0", 200, make_policy("adaptive", 20))])
+        d = Directory([TierSlot("t0", 300, make_policy("adaptive", 30))])
         jobs = Jobs()
         if deferred:
             d.defer_policy(jobs)
-        gone = []
+        gone, backlog = [], 0
         for n, (op, key) in enumerate(ops):
             if op == "put":
                 gone += [p.evicted for p in store(d, "t0", [key])]
@@ -257,10 +259,12 @@ def test_deferred_policy_calls_drain_in_batches_in_their_order() -> None:
             else:
                 d.remove("t0", [k(key)])
             if n % 97 == 0:
-                assert jobs.run_all() <= 1 + d.queued_calls() // DRAIN_BATCH
+                backlog = max(backlog, d.queued_calls())
+                jobs.run_all()
                 assert d.queued_calls() == 0
         victims.append(gone)
     assert victims[0] == victims[1] and sum(map(len, victims[0])) > 50
+    assert backlog > DRAIN_BATCH  # the drains had more than one batch to apply
 
 
 def test_a_schedule_that_fails_turns_deferring_off() -> None:
@@ -280,9 +284,40 @@ def test_a_schedule_that_fails_turns_deferring_off() -> None:
 def test_hold_pins_and_touches_under_one_call() -> None:
     d = make(30)
     store(d, "t0", [1, 2, 3])
-    d.hold("t0", [k(1)])
-    store(d, "t0", [4])  # key 1 is pinned and most recent: key 2 goes
+    d.hold("t0", [k(1)])  # touched: key 2 is now the oldest
+    store(d, "t0", [4])
     assert d.lookup([k(1)]) == ["t0"] and d.lookup([k(2)]) == []
+    d.touch("t0", [k(3), k(4)])  # key 1 is the oldest now, but pinned: key 3 goes
+    store(d, "t0", [5])
+    assert d.lookup([k(1)]) == ["t0"] and d.lookup([k(3)]) == []
     d.unpin("t0", [k(1)])
-    store(d, "t0", [5])  # unpinned, key 1 is still more recent than key 3
-    assert d.lookup([k(3)]) == [] and d.lookup([k(1)]) == ["t0"]
+    store(d, "t0", [6])  # unpinned, the oldest goes
+    assert d.lookup([k(1)]) == []
+
+
+def test_a_full_queue_applies_its_oldest_calls_and_turning_deferring_off_applies_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(directory, "MAX_QUEUED", 4)
+    policy = LRUPolicy()
+    d = Directory([TierSlot("t0", 1000, policy)])
+    jobs = Jobs()  # never run: a stalled drainer
+    d.defer_policy(jobs)
+    store(d, "t0", list(range(12)))
+    assert d.queued_calls() <= 4 and k(0) in policy and k(11) not in policy  # the oldest went first
+    d.defer_policy(None)
+    assert d.queued_calls() == 0 and len(policy) == 12
+
+
+def test_a_drain_that_never_ran_is_scheduled_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain job lost with its loop (stopped, not closed) does not stop the queue from draining."""
+    d = make(100)
+    jobs = Jobs()
+    d.defer_policy(jobs)
+    store(d, "t0", [1])
+    store(d, "t0", [2])
+    assert len(jobs.jobs) == 1  # one drain due at a time
+    monkeypatch.setattr(directory, "LOST_DRAIN_S", 0.0)
+    store(d, "t0", [3])
+    assert len(jobs.jobs) > 1  # scheduled again
+    jobs.run_all()
+    assert d.queued_calls() == 0

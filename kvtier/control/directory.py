@@ -109,8 +109,7 @@ class _TierIndex:
     def feed(self, call: PolicyCall, key: Key, parent: Key | None = None) -> None:
         """Give the policy one call, or queue it when calls are deferred (in order, behind the queued ones; a full
         queue applies its oldest ``DRAIN_BATCH`` first)."""
-        if not self.deferred:
-            self.apply(len(self.calls))
+        if not self.deferred:  # nothing is queued then: defer_policy(None) applied the queue
             self._call(call, key, parent)
             return
         if len(self.calls) >= MAX_QUEUED:

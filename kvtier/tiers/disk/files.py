@@ -1,9 +1,9 @@
 """Atomic file writes (blocking): the bytes go into a temp file beside the target, which is then renamed over it,
-so a reader finds the whole new file or the old one, never a part. Namespace manifests (``kvtier.tiers.manifest``) and
-the shared-directory ledger and member files (``kvtier.tiers.disk.ledger``) are written with
-``write_and_rename``; record files in two steps, ``finish_temp`` (``io.stage_record``) and a rename under the
-ledger's lock (``shared.SharedDirectory.store``), so that the ledger counts each record as it lands. No torch
-here: the catalog imports it."""
+so a reader finds the whole new file or the old one, never a part. Namespace manifests (``kvtier.tiers.manifest``)
+and the shared directory's member files (``kvtier.tiers.disk.members``) are written with ``write_and_rename``
+(the ledger is written in place, with a check: ``kvtier.tiers.disk.ledger``); record files in two steps,
+``finish_temp`` (``io.stage_record``) and a rename under the ledger's lock (``shared.SharedDirectory.store``), so
+that the ledger counts each record as it lands. No torch here: the catalog imports it."""
 
 from __future__ import annotations
 
@@ -63,14 +63,14 @@ def write_and_rename(fd: int, tmp: str, final: str, parts: Sequence[bytes | memo
     return size
 
 
-def write_all(fd: int, parts: Sequence[bytes | memoryview]) -> int:
-    """Write every byte of ``parts`` (short writes retried; a write that makes no progress is an OSError); the
-    bytes written."""
+def write_all(fd: int, parts: Sequence[bytes | memoryview], at: int | None = None) -> int:
+    """Write every byte of ``parts`` (short writes retried; a write that makes no progress is an OSError), at the
+    file's offset or, given ``at``, from that offset on; the bytes written."""
     total = 0
     for part in parts:
         view = memoryview(part).cast("B")
         while view.nbytes:
-            n = os.write(fd, view)
+            n = os.write(fd, view) if at is None else os.pwrite(fd, view, at + total)
             if n <= 0:
                 raise OSError(errno.EIO, f"write stopped with {view.nbytes} bytes left")
             total += n

@@ -1,39 +1,43 @@
 """The usage ledger of a disk directory that several processes share (blocking: run it in worker threads).
 
 Its files, under ``<root>``, are read and written only while holding ``fcntl.flock`` on ``.kvtier-lock``, a file
-of its own (the ledger is replaced by a rename, which would leave a lock held on the old file behind; a new
-descriptor per transaction, so threads of one process exclude each other too):
+of its own (a new descriptor per transaction, so threads of one process exclude each other too):
 
 * ``.kvtier-ledger``, the counts::
 
-    {"kvtier_ledger": 3, "quota": <bytes for the whole directory>,
-     "bytes": {"<namespace hex>": <bytes of its record files>, ...},
-     "members": {"<member id>": {...}, ...}}
+    {"bytes": {"<namespace hex>": <bytes of its record files>, ...}, "kvtier_ledger": 4,
+     "members": {"<member id>": {...}, ...}, "quota": <bytes for the whole directory>, "check": "<hash>"}
 
   ``members`` is a copy of the member files as of the last transaction, for reading: membership is read from
   ``.kvtier-members/``, one file per open disk tier (kvtier.tiers.disk.members), never from the ledger.
+  ``check`` is a hash of the rest (as ``json.dumps`` with sorted keys writes it): a torn ledger fails it.
 
 The rules:
 
-* Every change is atomic: the new ledger is written whole into ``.kvtier-ledger.tmp`` (fsynced, and then its
-  directory, when the tier's ``fsync`` says so), every write checked, and renamed over the old one. A process
-  killed at any step leaves the old ledger or the new one, never a mix; the next writer removes its temp file.
+* Every change is written in place, whole (every write checked), then the file is cut to its length (and
+  fsynced when the tier's ``fsync`` says so). A process killed in between, or a crash before the page cache reached
+  the disk, may leave a mix of the new ledger and the old one: its ``check`` fails, and the next transaction
+  rebuilds it (below). Not a temp file renamed over the ledger: on ext4 a rename over a file starts the new file's
+  writeback at once (``auto_da_alloc``) and waits on the journal. A transaction (lock, read, count, write) took
+  0.44-0.54 ms that way and 0.57-0.89 ms beside a process writing records; in place it takes 0.033-0.048 ms.
 * ``bytes`` are the record files' sizes: files change only under the lock, in the transaction that counts the
   change (kvtier.tiers.disk.shared): a record is counted, the ledger written, then the record renamed into
   place; a record is unlinked, then uncounted. A process killed in between leaves bytes no file holds (an
   overcount: the quota still holds), which the next transaction recounts (below).
-* A ledger that is absent, unreadable or invalid (not JSON, wrong schema) is rebuilt under the lock before the
-  transaction goes on (``fresh``): bytes from the record files' sizes, the quota from the live members' files
-  (else the caller's). A member of this host found dead without having left (killed, perhaps inside a transaction)
-  also makes the transaction recount the bytes from the files (``recounted``). Membership lives in the member
-  files, so a rebuild never takes a running process's namespaces for orphans.
+* A ledger that is absent, unreadable or invalid (not JSON, wrong schema, its check wrong) is rebuilt under the
+  lock before the transaction goes on (``fresh``): bytes from the record files' sizes, the quota from the live
+  members' files (else the caller's). A member of this host found dead without having left (killed, perhaps inside
+  a transaction) also makes the transaction recount the bytes from the files (``recounted``). Membership lives in
+  the member files, so a rebuild never takes a running process's namespaces for orphans.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -42,17 +46,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.tiers.disk.files import discard, fsync_dir, open_temp, write_and_rename
+from kvtier.tiers.disk.files import TEMP_MODE, fsync_dir, write_all
 from kvtier.tiers.disk.index import count_records
 from kvtier.tiers.disk.members import HOST, MemberFiles, Roster
 
-__all__ = ["HOST", "LEDGER_NAME", "LOCK_NAME", "Ledger", "LedgerState", "step"]
+__all__ = ["HOST", "LEDGER_NAME", "LOCK_NAME", "Ledger", "LedgerState", "seal", "step"]
 
 log = logging.getLogger(__name__)
 
 LEDGER_NAME = ".kvtier-ledger"
 LOCK_NAME = ".kvtier-lock"
-LEDGER_VERSION = 3  # 2 had reservations: a write now counts its bytes in one transaction, as it lands
+LEDGER_VERSION = 4  # 3 had no check (it was renamed into place); 2 had reservations
 STEP_HOOK: Callable[[str], None] | None = None  # tests only: called with each step of a transaction's writes
 
 
@@ -109,10 +113,13 @@ def _counts(raw: object) -> dict[str, int]:
 
 
 def _parse(raw: bytes) -> LedgerState | None:
-    """The ledger ``raw`` holds; None when it is not a valid one."""
+    """The ledger ``raw`` holds; None when it is not a valid one (torn, or not this version)."""
     try:
         data = json.loads(raw)
         if not isinstance(data, dict) or data.get("kvtier_ledger") != LEDGER_VERSION:
+            return None
+        check = data.pop("check", None)
+        if check != _check(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()):
             return None
         quota = data["quota"]
         if not isinstance(quota, int) or isinstance(quota, bool) or quota <= 0:
@@ -122,9 +129,19 @@ def _parse(raw: bytes) -> LedgerState | None:
         return None
 
 
+def _check(body: bytes) -> str:
+    return hashlib.blake2b(body, digest_size=8).hexdigest()
+
+
+def seal(body: bytes) -> bytes:
+    """A ledger file's bytes: ``body`` (a JSON object as ``json.dumps`` with sorted keys and no spaces writes it)
+    with its ``check``."""
+    return body[:-1] + b',"check":"' + _check(body).encode() + b'"}'
+
+
 def _dump(state: LedgerState) -> bytes:
     body = {"kvtier_ledger": LEDGER_VERSION, "quota": state.quota, "bytes": state.bytes, "members": state.members}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return seal(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 class Ledger:
@@ -157,7 +174,7 @@ class Ledger:
         self.member_files.save(state.members, state.roster)
         out = _dump(state)
         if out != state.written:
-            self._replace(out)
+            self._replace(out, created=not state.written)
             state.written = out
 
     def read(self, default_quota: int) -> LedgerState:
@@ -190,14 +207,19 @@ class Ledger:
             log.warning("cannot read the disk tier ledger %s (rebuilding it from the files): %s", self.path, exc)
             return b""
 
-    def _replace(self, data: bytes) -> None:
-        """Write the ledger file whole: a temp file (only the lock holder writes one: a fixed name, and any found
-        is a killed writer's), fsynced if asked, renamed over the ledger."""
-        tmp = self.path + ".tmp"
-        discard(tmp)
-        fd = open_temp(tmp)
-        step("ledger:temp")
-        write_and_rename(fd, tmp, self.path, [data], self.fsync)
-        step("ledger:renamed")
-        if self.fsync:
+    def _replace(self, data: bytes, created: bool) -> None:
+        """Write the ledger file in place: ``data`` from its start, then cut to its length (the module docstring);
+        with ``fsync``, the directory too where the file is (perhaps) new."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, TEMP_MODE)
+        try:
+            if write_all(fd, [data], at=0) != len(data):
+                raise OSError(errno.EIO, f"short write of {self.path}")
+            step("ledger:written")
+            os.ftruncate(fd, len(data))
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.fsync and created:
             fsync_dir(self.root)
+        step("ledger:whole")

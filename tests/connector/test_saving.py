@@ -158,10 +158,10 @@ def test_a_save_step_cancelled_before_it_ran_leaves_the_backlog(gated) -> None: 
 def test_a_stuck_save_is_abandoned_and_frees_its_request(gated, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A medium that never finishes a write: after ``SAVE_TIMEOUT_S`` the save is dropped and reported not stored,
     and the finished request is reported done, so the engine gets its blocks back."""
-    from kvtier.connector.worker import saving
+    from kvtier.connector.worker import saves
 
     worker, _, _, _ = gated
-    monkeypatch.setattr(saving, "SAVE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(saves, "SAVE_TIMEOUT_S", 0.3)
     save(worker, "r", KEYS[:1], [(1, 2)])
     assert worker.get_finished({"r"})[0] is None
     deadline = time.monotonic() + 10

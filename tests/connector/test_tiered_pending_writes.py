@@ -25,7 +25,7 @@ from kvtier.connector.base import KVConnectorRole
 from kvtier.connector.plans import SaveSpec
 from kvtier.connector.report import WorkerReport
 from kvtier.connector.tiered import TieredConnector
-from kvtier.connector.worker.saving import SaveJob, SaveQueue
+from kvtier.connector.worker.saves import SaveJob, SaveQueue
 from kvtier.control.directory import StorePlan
 from kvtier.control.metrics import WorkerCounters
 from kvtier.engine.types import KVCacheBlocks, KVConnectorOutput, NewRequestData, Request, SchedulerOutput

@@ -11,7 +11,7 @@ Lifecycle:
                                           never waits for writes
     wait_for_save()                       gather this step's save chunks (the blocks are free to reuse once
                                           it returns), then evict / demote / write on the I/O loop, in order,
-                                          within a byte backlog (saves.py, saving.py)
+                                          within a byte backlog (saves.py)
     get_finished(finished_req_ids)        scatter finished async loads; report them (finished_recving) and
                                           requests whose saves are all done and that have finished
     get_block_ids_with_load_errors()      blocks whose chunk could not be read (miss, corrupt, dead tier)
@@ -36,8 +36,7 @@ from kvtier.connector.plans import KVTierMetadata
 from kvtier.connector.report import ReportBox, WorkerReport
 from kvtier.connector.worker.engine_kv import EngineKV
 from kvtier.connector.worker.loads import LoadPath
-from kvtier.connector.worker.saves import SavePath
-from kvtier.connector.worker.saving import MAX_BACKLOG
+from kvtier.connector.worker.saves import MAX_BACKLOG, SavePath
 from kvtier.control.metrics import Deltas, WorkerCounters, hit_tokens, nonzero, snapshot, tier_gauges
 from kvtier.errors import ConnectorError
 from kvtier.layout import KVCacheConfig
@@ -72,7 +71,7 @@ class WorkerHalf:
         self._rank = identity.tp_rank if identity is not None else 0
         self._report = ReportBox()
         self._saves = SavePath(self._kv, store, loop, self._counters, self._report, max_backlog)
-        self._loads = LoadPath(self._kv, store, loop, self._counters, self._report, self._saves.queue)
+        self._loads = LoadPath(self._kv, store, loop, self._counters, self._report, self._saves.queue.landed)
         self._queue = self._saves.queue
 
     @property

@@ -24,7 +24,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.connector.plans import LoadSpec
@@ -39,7 +39,6 @@ from kvtier.tiers.runtime import LoopThread
 if TYPE_CHECKING:
     import torch
 
-    from kvtier.connector.worker.saving import SaveQueue
     from kvtier.store.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -113,10 +112,11 @@ class LoadPath:
     """Loads of planned chunks into the engine's blocks, synchronous or on the I/O loop."""
 
     def __init__(self, kv: EngineKV, store: TieredStore, loop: LoopThread, counters: WorkerCounters,
-                 report: ReportBox, writes: SaveQueue | None = None) -> None:
-        """``writes``: this worker's save queue, whose writes an asynchronous read waits for."""
+                 report: ReportBox, landed: Callable[[str, Sequence[Key]], Awaitable[None]] | None = None) -> None:
+        """``landed``: this worker's save queue's (``SaveQueue.landed``), whose writes an asynchronous read waits
+        for."""
         self._kv = kv
-        self._writes = writes
+        self._landed = landed
         self.store = store
         self._loop = loop
         self._counters = counters
@@ -244,8 +244,8 @@ class LoadPath:
     async def _read_landed(self, spec: LoadSpec) -> Reads:
         """Read ``spec``'s records once no save job of this worker is still writing them (a failed write: misses)."""
         keys = [self._kv.key(spec.group, k) for k in spec.keys]
-        if self._writes is not None:
-            await self._writes.landed(spec.tier, keys)
+        if self._landed is not None:
+            await self._landed(spec.tier, keys)
         return await self.store.read(spec.tier, keys)
 
     def apply(self, specs: Sequence[LoadSpec], results: Sequence[Reads]) -> None:

@@ -10,7 +10,7 @@ then from the workers' output:
     request_finished_all_groups(request, ids)  True while the request has saves the workers have not confirmed
 
 Loads from memory tiers are synchronous (done before the forward pass); a request that needs any chunk from
-a slow tier (disk, redis), or one whose write has not been reported landed yet (kvtier.connector.scheduler.locate),
+a slow tier (disk, redis), or one whose write has not been reported landed yet (kvtier.connector.scheduler.hits),
 loads asynchronously and waits for ``finished_recving``.
 """
 
@@ -28,10 +28,9 @@ from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec, block_at,
 from kvtier.connector.report import WorkerReport, report_of
 from kvtier.connector.scheduler.admission import SaveAdmission, request_class
 from kvtier.connector.scheduler.chunk_events import ChunkEvents
-from kvtier.connector.scheduler.hits import GroupNeed, best_hit, hit_limit
+from kvtier.connector.scheduler.hits import LOOKUP_TIMEOUT_S as LOOKUP_TIMEOUT_S
+from kvtier.connector.scheduler.hits import GroupNeed, Locator, best_hit, hit_limit
 from kvtier.connector.scheduler.inflight import InflightSaves
-from kvtier.connector.scheduler.locate import LOOKUP_TIMEOUT_S as LOOKUP_TIMEOUT_S
-from kvtier.connector.scheduler.locate import Locator
 from kvtier.connector.scheduler.recovery import LoadRecovery
 from kvtier.connector.scheduler.request_state import Hit, ReqState, tokens_of
 from kvtier.connector.scheduler.reuse import SeenCounter

@@ -2,8 +2,8 @@
 reported not stored, and the directory's verdict once a request's saves are done (``finished_sending``).
 
 A chunk still being written (``writing``) can be served already: the lookup counts it, and the workers' load waits
-for their own write of it (kvtier.connector.scheduler.locate, kvtier.connector.worker.saves.SaveQueue.landed). An idle
-engine runs no step, so the report that a write landed may come only with the request that wants it."""
+for their own write of it (kvtier.connector.scheduler.hits, kvtier.connector.worker.saves.SaveQueue.landed). An
+idle engine runs no step, so the report that a write landed may come only with the request that wants it."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ Lifecycle:
     flush() / stats() / close()           flush waits (bounded) for every pending save
 
 Every wait is bounded (``wait_timeout_s``, async loads ``async_load_timeout_s``, a background save
-``saving.SAVE_TIMEOUT_S``): a stuck medium fails the work (loads: their blocks become load errors; saves: dropped,
+``saves.SAVE_TIMEOUT_S``): a stuck medium fails the work (loads: their blocks become load errors; saves: dropped,
 reported not stored) and is logged, never hangs the engine. Counters (``kvtier.control.metrics.WorkerCounters``) only
 count; ``stats()`` hands out their snapshot since the last call, ``totals()`` since start.
 """

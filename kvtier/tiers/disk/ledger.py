@@ -17,8 +17,10 @@ The rules:
 * Every change is written in place, whole (every write checked), then the file is cut to its length (and
   fsynced when the tier's ``fsync`` says so). A process killed in between, or a crash before the page cache reached
   the disk, may leave a mix of the new ledger and the old one: its ``check`` fails, and the next transaction
-  rebuilds it (below). Not a temp file renamed over the ledger: on ext4 a rename over a file starts the new file's
-  writeback at once (``auto_da_alloc``) and waits on the journal. A transaction (lock, read, count, write) took
+  rebuilds it (below). A crash without ``fsync`` may also leave a whole older ledger, which passes its check:
+  every process counts the directory's files again when its tier starts (``SharedDirectory.join``).
+  Not a temp file renamed over the ledger: on ext4 a rename over a file starts the new file's writeback at once
+  (``auto_da_alloc``) and waits on the journal. A transaction (lock, read, count, write) took
   0.44-0.54 ms that way and 0.57-0.89 ms beside a process writing records; in place it takes 0.033-0.048 ms.
 * ``bytes`` are the record files' sizes: files change only under the lock, in the transaction that counts the
   change (kvtier.tiers.disk.shared): a record is counted, the ledger written, then the record renamed into
@@ -46,7 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.tiers.disk.files import TEMP_MODE, fsync_dir, write_all
+from kvtier.tiers.disk.files import TEMP_MODE, discard, fsync_dir, write_all
 from kvtier.tiers.disk.index import count_records
 from kvtier.tiers.disk.members import HOST, MemberFiles, Roster
 
@@ -153,6 +155,7 @@ class Ledger:
         self.lock_path = os.path.join(root, LOCK_NAME)
         self.fsync = fsync
         self.member_files = MemberFiles(root, fsync)
+        self._warned = False  # of a ledger of another version
 
     @contextlib.contextmanager
     def locked(self, default_quota: int, write: bool = True) -> Iterator[LedgerState]:
@@ -188,6 +191,7 @@ class Ledger:
         raw = self._read()
         state = _parse(raw)
         if state is None:
+            self._invalid(raw)
             quotas = [m["quota"] for m in roster.live.values() if isinstance(m.get("quota"), int) and m["quota"] > 0]
             state = LedgerState(min(quotas, default=default_quota), fresh=True)
         state.members, state.roster, state.written = roster.live, roster, raw
@@ -195,6 +199,21 @@ class Ledger:
             state.bytes = count_records(self.root)
             state.recounted = True
         return state
+
+    def _invalid(self, raw: bytes) -> None:
+        """The ledger is about to be rebuilt: remove the temp file a killed writer of version 3 may have left, and
+        warn once when a process of another kvtier version writes it (each version then rebuilds the other's
+        ledger in every transaction: correct, but a walk of the whole directory each time)."""
+        discard(self.path + ".tmp")
+        try:
+            version = json.loads(raw).get("kvtier_ledger")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(version, int) and version != LEDGER_VERSION and not self._warned:
+            self._warned = True
+            log.warning("the disk tier ledger %s is version %d, written by another kvtier version (this one writes "
+                        "%d): each transaction counts the directory's files again; run one kvtier version per "
+                        "shared directory", self.path, version, LEDGER_VERSION)
 
     def _read(self) -> bytes:
         """The ledger file's bytes; none when it is absent or unreadable (then it is rebuilt)."""

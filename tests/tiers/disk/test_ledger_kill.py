@@ -5,6 +5,7 @@ still holds when another process writes, and no running process's records are de
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from contract import rand
 from ledger_kit import RECORD, Child, described_tier, disk_bytes, key_of, ledger, records
 
+from kvtier.tiers.disk import ledger as ledger_module
 from kvtier.tiers.disk.ledger import LEDGER_NAME, Ledger, seal
 
 QUOTA = 8 * RECORD
@@ -68,7 +70,6 @@ async def test_a_process_killed_mid_ledger_write_leaves_the_quota_and_the_runnin
         book = ledger(root)
         assert book["quota"] == QUOTA and book["bytes"] == disk_bytes(root)
         assert {m["pid"] for m in book["members"].values()} == {b.pid, os.getpid()}  # K is gone
-        assert not (root / (LEDGER_NAME + ".tmp")).exists()
         await c.close()
     finally:
         b.close()
@@ -93,6 +94,43 @@ async def test_a_torn_ledger_fails_its_check_and_is_counted_again(tmp_path: Path
         await c.close()
     finally:
         b.close()
+
+
+def test_a_ledger_left_longer_than_its_rewrite_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed between the in-place write of a shorter ledger and the cut to its length leaves the new
+    JSON followed by the old file's tail: not a ledger, so the next transaction counts the files again."""
+    ledger_ = Ledger(str(tmp_path))
+    with ledger_.locked(QUOTA) as state:
+        state.add("aa" * 16, 100)
+        state.add("bb" * 16, 200)
+    longer = (tmp_path / LEDGER_NAME).read_bytes()
+
+    def killed(step: str) -> None:
+        if step == "ledger:written":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ledger_module, "STEP_HOOK", killed)
+    with pytest.raises(KeyboardInterrupt), ledger_.locked(QUOTA) as state:
+        state.add("bb" * 16, -200)
+    monkeypatch.setattr(ledger_module, "STEP_HOOK", None)
+    left = (tmp_path / LEDGER_NAME).read_bytes()
+    assert len(left) == len(longer) and left != longer  # the shorter ledger, then the old tail
+    state = Ledger(str(tmp_path)).read(QUOTA)
+    assert state.fresh and state.bytes == {}  # counted from the files: there are none
+
+
+def test_a_ledger_of_another_version_is_rebuilt_with_one_warning(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A ledger another kvtier version wrote (version 3: renamed into place, no check, perhaps a temp file left)
+    is not trusted: it is counted again from the files, its temp file removed, and the operator told once."""
+    (tmp_path / LEDGER_NAME).write_text('{"kvtier_ledger": 3, "quota": 5, "bytes": {"aa": 4}, "members": {}}')
+    (tmp_path / (LEDGER_NAME + ".tmp")).write_text("{")
+    ledger_ = Ledger(str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert ledger_.read(QUOTA).bytes == {}
+        ledger_.read(QUOTA)
+    assert len(caplog.records) == 1 and "version 3" in caplog.records[0].getMessage()  # two reads, one warning
+    assert not (tmp_path / (LEDGER_NAME + ".tmp")).exists()
 
 
 async def test_a_deleted_ledger_is_rebuilt_from_the_files_and_the_member_files(tmp_path: Path) -> None:

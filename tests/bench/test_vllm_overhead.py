@@ -43,8 +43,9 @@ class Handle:
 def test_priming_sends_new_prompts_to_kvtier_engines_working_and_the_rounds_count_only_their_own_saves() -> None:
     none, cpu = Handle("none"), Handle("kvtier_cpu")
     engines: list[Any] = [none, cpu]
-    primed = prime(engines, 4, 64)
-    assert none.asked == [] and cpu.asked == [(64, 1, True)] * 4
+    synced: list[int] = []
+    primed = prime(engines, 4, 64, sync=lambda: synced.append(len(cpu.asked)))
+    assert none.asked == [] and cpu.asked == [(64, 1, True)] * 4 and synced == [4]  # synced once, after priming
     assert primed == {"kvtier_cpu": {"save_chunks": 8, "save_seconds": 0.5, "kvtier_disabled": 1}}
     cpu.ask([0] * 96, 8)
     # kvtier disabled while priming stays disabled: that count is kept whole, not zeroed

@@ -98,6 +98,8 @@ class RedisTierConfig(TierConfig):
     tls_key: str | None = None
     breaker_failures: int = 3
     breaker_backoff: float = 1.0  # seconds
+    # no other engine reads this Redis: the save admission (policy.admission) judges it like a local tier
+    private: bool = False
 
     @property
     def kind(self) -> TierKind:

@@ -171,7 +171,8 @@ def _details(tier: Any) -> str:
         return f"path={tier.path}"
     if isinstance(tier, RedisTierConfig):
         ttl = format_duration(tier.ttl) if tier.ttl else "none"
-        return f"url={_display_url(tier.url)} ttl={ttl} timeout={format_duration(tier.timeout)}"
+        private = " private" if tier.private else ""
+        return f"url={_display_url(tier.url)} ttl={ttl} timeout={format_duration(tier.timeout)}{private}"
     if isinstance(tier, GpuTierConfig):
         return f"device={tier.device}"
     return ""

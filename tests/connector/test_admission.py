@@ -1,7 +1,7 @@
 """The save admission (``policy.admission: learned``): a class of requests whose chunks nobody asks for again stops
 saving, it still learns from the chunks it did not save, reuse brings saving back, and what it saves loads bit
 for bit (real cpu tier, both connector halves driven as vLLM drives them); a declined request still promotes what
-it loaded, and with a shared tier placed every chunk is saved.
+it loaded, and with a shared tier placed every chunk is saved (unless it is private).
 """
 
 from __future__ import annotations
@@ -160,30 +160,42 @@ def test_a_declined_request_still_promotes_the_chunks_it_loaded(
     assert _planned(h, "hit", tokens, ids) == [0, 1, 2, 3]  # promoted into cpu; its 3 new chunks are not saved
 
 
-def test_with_a_shared_tier_placed_every_chunk_is_saved(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Other engines' reuse of what this one saves in Redis is invisible here: learning would decline it."""
+@pytest.mark.parametrize("redis", [None, "shared", "private"])
+def test_with_a_shared_tier_placed_every_chunk_is_saved_unless_it_is_private(
+        monkeypatch: pytest.MonkeyPatch, redis: str | None) -> None:
+    """Other engines' reuse of what this one saves in Redis is invisible here: learning would decline it. A Redis
+    tier no other engine reads (``private: true``) is judged as a local tier is."""
     monkeypatch.setattr(admission, "WARMUP", 1)
     monkeypatch.setattr(admission, "MAX_GHOSTS", 4)
-    for shared in (False, True):
-        tiers: tuple[TierConfig, ...] = (CpuTierConfig("cpu", 1 << 20),)
-        slots = [TierSlot("cpu", 1 << 20, make_policy("lru"))]
-        if shared:
-            tiers += (RedisTierConfig("redis", 1 << 30, url="redis://127.0.0.1:1/0"),)
-            slots.append(TierSlot("redis", 1 << 30, make_policy("lru"), shared=True))
-        stand_ins = {t.name: SimpleNamespace(name=t.name, stored_size=lambda n: n) for t in tiers}
-        half = SchedulerHalf(_learned(tiers), KVCacheConfig((FULL,)), [bytes(16)],
-                             directory=Directory(slots), tiers=stand_ins)  # type: ignore[arg-type]
-        planned = []
-        for i in range(3):
-            tokens = [1000 * i + t for t in range(7 * SC)]
-            req = SimpleNamespace(request_id=f"r{i}", prompt_token_ids=tokens, all_token_ids=tokens, cache_salt=None,
-                                  prompt_embeds=None, lora_request=None, mm_features=None, mm_hashes=None)
-            half.get_num_new_matched_tokens(req, 0)
-            meta = half.build_connector_meta(SchedulerOutput(
-                scheduled_new_reqs=[NewRequestData(f"r{i}", tokens, (list(range(1, 15)),), 0)],
-                num_scheduled_tokens={f"r{i}": len(tokens)}))
-            planned.append(sum(len(spec.keys) for spec in meta.saves))
-        assert planned == ([7, 7, 7] if shared else [7, 0, 0]), shared
+    tiers: tuple[TierConfig, ...] = (CpuTierConfig("cpu", 1 << 20),)
+    slots = [TierSlot("cpu", 1 << 20, make_policy("lru"))]
+    if redis:
+        tiers += (RedisTierConfig("redis", 1 << 30, url="redis://127.0.0.1:1/0", private=redis == "private"),)
+        slots.append(TierSlot("redis", 1 << 30, make_policy("lru"), shared=True))
+    stand_ins = {t.name: SimpleNamespace(name=t.name, stored_size=lambda n: n) for t in tiers}
+    half = SchedulerHalf(_learned(tiers), KVCacheConfig((FULL,)), [bytes(16)],
+                         directory=Directory(slots), tiers=stand_ins)  # type: ignore[arg-type]
+    planned = []
+    for i in range(3):
+        tokens = [1000 * i + t for t in range(7 * SC)]
+        req = SimpleNamespace(request_id=f"r{i}", prompt_token_ids=tokens, all_token_ids=tokens, cache_salt=None,
+                              prompt_embeds=None, lora_request=None, mm_features=None, mm_hashes=None)
+        half.get_num_new_matched_tokens(req, 0)
+        meta = half.build_connector_meta(SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData(f"r{i}", tokens, (list(range(1, 15)),), 0)],
+            num_scheduled_tokens={f"r{i}": len(tokens)}))
+        planned.append(sum(len(spec.keys) for spec in meta.saves))
+    assert planned == ([7, 7, 7] if redis == "shared" else [7, 0, 0])
+
+
+def test_a_redis_tiers_private_key_is_read_from_the_config() -> None:
+    cfg = load_config({"chunk_size": 16, "tiers": [{"name": "redis", "kind": "redis", "capacity": "1GiB",
+                                                     "private": True}]}, env={})
+    tier = cfg.tier("redis")
+    assert isinstance(tier, RedisTierConfig) and tier.private
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.private"):
+        load_config({"chunk_size": 16, "tiers": [{"name": "redis", "kind": "redis", "capacity": "1GiB",
+                                                  "private": "yes"}]}, env={})
 
 
 def test_chunks_a_request_loaded_are_remembered_so_their_next_reuse_is_seen(harness: Build) -> None:

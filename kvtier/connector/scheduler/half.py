@@ -122,11 +122,13 @@ class SchedulerHalf:
 
     def _make_admission(self) -> SaveAdmission | None:
         """The save admission of ``policy.admission: learned``, remembering as many chunks as the tiers of the first
-        group's placement hold. None (every chunk saved) with a shared tier placed: the reuse of what this engine
-        saves there by other engines is invisible here, so it would decline what they reuse."""
+        group's placement hold. None (every chunk saved) with a shared tier placed that is not ``private``: the
+        reuse of what this engine saves there by other engines is invisible here, so it would decline what they
+        reuse."""
         if self.cfg.policy.admission != "learned" or not self.kcc.kv_cache_groups or not self._placement[0]:
             return None
-        if any(self.directory.is_shared(n) for names in self._placement for n in names):
+        if any(self.directory.is_shared(n) and not getattr(self.cfg.tier(n), "private", False)
+               for names in self._placement for n in names):
             return None
         per_chunk = max(1, self.kcc.kv_cache_groups[0].bytes_per_chunk(self.cfg.chunk_size))
         held = sum(self.cfg.tier(n).capacity for n in self._placement[0]) // per_chunk

@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
     parser.add_argument("--policy", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                         help="a kvtier policy setting for every kvtier mode (repeatable), e.g. store_threshold=2")
+    parser.add_argument("--private-redis", action="store_true",
+                        help="the Redis tier is private: true (no other engine reads it: the save admission judges it)")
     parser.add_argument("--settle", type=non_negative_float, default=0.2,
                         help="untimed pause after each engine's turn (s)")
     parser.add_argument("--model", type=existing_path,
@@ -74,12 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def kvtier_yaml(path: Path, mode: str, chunk: int, workdir: Path, redis_url: str | None,
-                policy: Sequence[str] = ()) -> str:
-    """The kvtier config file for ``mode``; ``policy``: extra ``key=value`` policy settings."""
+                policy: Sequence[str] = (), private_redis: bool = False) -> str:
+    """The kvtier config file for ``mode``; ``policy``: extra ``key=value`` policy settings; ``private_redis``: the
+    Redis tier is ``private`` (no other engine reads it: the save admission judges it)."""
     cpu = "{name: cpu, kind: cpu, capacity: 1GiB}"
     disk = f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / ('kv-' + mode)}}}"
     tier = {"kvtier_cpu": cpu, "kvtier_disk": disk, "kvtier_cpu_disk": f"{cpu}, {disk}",
-            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1s}}"}[mode]
+            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1s, "
+                            f"private: {str(private_redis).lower()}}}"}[mode]
     settings = ", ".join(["write: write_back", *(p.replace("=", ": ", 1) for p in policy)])
     path.write_text(f"chunk_size: {chunk}\ntiers: [{tier}]\npolicy: {{{settings}}}\n")
     return str(path)
@@ -223,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
         specs = {mode: {"model": model, "max_model_len": length + outputs + 64,
                         "kvtier_config": (kvtier_yaml(workdir / f"{mode}.yaml", mode, args.chunk, workdir, redis_url,
-                                                      args.policy) if mode != "none" else None)}
+                                                      args.policy, args.private_redis) if mode != "none" else None)}
                  for mode in args.modes}
         engines = start_engines(stack, specs, workdir, extra)
         primed = prime(engines, args.prime, length)
@@ -232,8 +236,9 @@ def run(args: argparse.Namespace) -> int:
     table = summarize(samples)
     _print(table)
     settings = {"length": length, "output_tokens": outputs, "rounds": rounds, "burst": args.burst, "prime": args.prime,
-                "chunk_size": args.chunk, "policy": args.policy, "env": extra, "prefix_caching": True,
-                "settle_s": args.settle, "model": args.model or f"random Llama, {layers} layers x {hidden}, float32"}
+                "chunk_size": args.chunk, "policy": args.policy, "private_redis": args.private_redis, "env": extra,
+                "prefix_caching": True, "settle_s": args.settle,
+                "model": args.model or f"random Llama, {layers} layers x {hidden}, float32"}
     save_results(args, "vllm_overhead", {"settings": settings, "results": table, "same_tokens_as_none": same,
                                          "kvtier_counters": counters, "primed_counters": primed, "raw": samples})
     return 0 if all(same.values()) else 1

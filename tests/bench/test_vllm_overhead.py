@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvtier.bench.vllm_overhead import MODES, _less, kvtier_yaml, prime
-from kvtier.config import WritePolicy, load_config
+from kvtier.config import RedisTierConfig, WritePolicy, load_config
 from kvtier.control.persist import enabled
 
 
@@ -19,6 +19,14 @@ def test_each_modes_config_loads_with_its_tiers(mode: str, tmp_path: Path) -> No
     assert [t.name for t in cfg.tiers] == mode.removeprefix("kvtier_").split("_")
     assert cfg.policy.write is WritePolicy.WRITE_BACK and cfg.policy.store_threshold == 2
     assert enabled(cfg.policy)  # with cpu above disk, what cpu holds is copied to disk as the engine runs
+
+
+def test_the_redis_tier_is_private_when_asked(tmp_path: Path) -> None:
+    for private in (False, True):
+        path = kvtier_yaml(tmp_path / "kvtier.yaml", "kvtier_redis", 32, tmp_path, "redis://127.0.0.1:1/0",
+                           private_redis=private)
+        tier = load_config(path, env={}).tier("redis")
+        assert isinstance(tier, RedisTierConfig) and tier.private is private
 
 
 class Handle:

@@ -200,7 +200,8 @@ def report(cfg: KvtierConfig, shape: ModelShape, source: str, block_origin: str 
                       "capacity": format_size(tier.capacity), "chunks": chunks, "tokens": chunks * cfg.chunk_size,
                       "states": states,
                       "compression": tier.compression or "none", "eviction": tier.eviction or cfg.policy.eviction,
-                      "groups": groups, "details": _details(tier)})
+                      "groups": groups, "details": _details(tier),
+                      **({"private": tier.private} if isinstance(tier, RedisTierConfig) else {})})
     return {
         "ok": True, "config": source, "chunk_size": cfg.chunk_size,
         "model_shape": {**asdict(shape), "block_size_origin": block_origin, "bytes_per_token": shape.bytes_per_token,

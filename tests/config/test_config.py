@@ -425,3 +425,15 @@ def test_to_dict_round_trip_of_every_option() -> None:
                                "persist_max_lag": "3.0s", "persist_at_close": "0.5s"}
     again = load_config(yaml.safe_load(yaml.safe_dump(plain)), env={})
     assert again == cfg and isinstance(again, KvtierConfig)
+
+
+def test_a_redis_tiers_private_key_defaults_to_false_and_is_read_from_the_file_and_the_environment() -> None:
+    """``private: true``: no other engine reads this Redis (the save admission judges it, kvtier.connector.scheduler
+    .half); a value that is not a boolean is one line naming the key."""
+    tiers = [{"name": "redis", "kind": "redis", "capacity": "1GiB"}]
+    assert load_config({"chunk_size": 16, "tiers": tiers}, env={}).tier("redis") == RedisTierConfig("redis", 1 << 30)
+    for raw, env in (({**tiers[0], "private": True}, {}), (tiers[0], {"KVTIER_TIERS__REDIS__PRIVATE": "true"})):
+        tier = load_config({"chunk_size": 16, "tiers": [raw]}, env=env).tier("redis")
+        assert isinstance(tier, RedisTierConfig) and tier.private
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.private: expected true or false"):
+        load_config({"chunk_size": 16, "tiers": [{**tiers[0], "private": "yes"}]}, env={})

@@ -188,16 +188,6 @@ def test_with_a_shared_tier_placed_every_chunk_is_saved_unless_it_is_private(
     assert planned == ([7, 7, 7] if redis == "shared" else [7, 0, 0])
 
 
-def test_a_redis_tiers_private_key_is_read_from_the_config() -> None:
-    cfg = load_config({"chunk_size": 16, "tiers": [{"name": "redis", "kind": "redis", "capacity": "1GiB",
-                                                     "private": True}]}, env={})
-    tier = cfg.tier("redis")
-    assert isinstance(tier, RedisTierConfig) and tier.private
-    with pytest.raises(ConfigError, match=r"tiers\[0\]\.private"):
-        load_config({"chunk_size": 16, "tiers": [{"name": "redis", "kind": "redis", "capacity": "1GiB",
-                                                  "private": "yes"}]}, env={})
-
-
 def test_chunks_a_request_loaded_are_remembered_so_their_next_reuse_is_seen(harness: Build) -> None:
     """Chunks in a tier that the admission never saw offered (adopted at start, say): the request that loads them
     offers them, so the next turn's lookup credits its whole prefix as reuse and offers only its new chunks."""

@@ -111,6 +111,14 @@ def test_check_json_with_model_shape() -> None:
     assert rep["placement"]["sliding_window"] == ["gpu", "cpu"]
 
 
+def test_check_shows_whether_a_redis_tier_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("chunk_size: 64\ntiers: [{name: redis, kind: redis, capacity: 1GiB, private: true}]\n")
+    rep = json.loads(run_kvtier("check", str(path), "--json").stdout)
+    assert rep["tiers"][0]["private"] is True and rep["tiers"][0]["details"].endswith(" private")
+    assert " private " in run_kvtier("check", str(path)).stdout
+
+
 def test_check_counts_a_hybrids_recurrent_state_per_stored_boundary() -> None:
     """Qwen3-Next-80B-shaped: 12 attention layers, 36 gated delta-net layers of 2,146,304 state bytes each (conv
     3 x 8192 bf16 + 32 x 128 x 128 float32): one stored state is 36 of them, counted where ``mamba`` is placed."""

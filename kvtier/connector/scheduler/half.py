@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvtier.config import KvtierConfig, TierKind
+from kvtier.config import KvtierConfig, RedisTierConfig, TierConfig, TierKind
 from kvtier.connector.keying import RequestKeying, has_prompt_embeds, request_keys
 from kvtier.connector.plans import KVTierMetadata, LoadSpec, SaveSpec, block_at, chunk_blocks
 from kvtier.connector.report import WorkerReport, report_of
@@ -127,7 +127,7 @@ class SchedulerHalf:
         reuse."""
         if self.cfg.policy.admission != "learned" or not self.kcc.kv_cache_groups or not self._placement[0]:
             return None
-        if any(self.directory.is_shared(n) and not getattr(self.cfg.tier(n), "private", False)
+        if any(self.directory.is_shared(n) and not _private(self.cfg.tier(n))
                for names in self._placement for n in names):
             return None
         per_chunk = max(1, self.kcc.kv_cache_groups[0].bytes_per_chunk(self.cfg.chunk_size))
@@ -465,3 +465,7 @@ class SchedulerHalf:
         self._requests.clear()
         self._hits.clear()
 
+
+def _private(tier: TierConfig) -> bool:
+    """A Redis tier no other engine reads (``private: true``): the save admission may judge it."""
+    return isinstance(tier, RedisTierConfig) and tier.private

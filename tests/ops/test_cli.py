@@ -113,7 +113,7 @@ def test_check_json_with_model_shape() -> None:
 
 def test_check_shows_whether_a_redis_tier_is_private(tmp_path: Path) -> None:
     path = tmp_path / "kvtier.yaml"
-    path.write_text("chunk_size: 64\ntiers: [{name: redis, kind: redis, capacity: 1GiB, private: true}]\n")
+    path.write_text("chunk_size: 256\ntiers: [{name: redis, kind: redis, capacity: 1GiB, private: true}]\n")
     rep = json.loads(run_kvtier("check", str(path), "--json").stdout)
     assert rep["tiers"][0]["private"] is True and rep["tiers"][0]["details"].endswith(" private")
     assert " private " in run_kvtier("check", str(path)).stdout

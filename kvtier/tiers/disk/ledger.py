@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -231,8 +230,7 @@ class Ledger:
         with ``fsync``, the directory too where the file is (perhaps) new."""
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, TEMP_MODE)
         try:
-            if write_all(fd, [data], at=0) != len(data):
-                raise OSError(errno.EIO, f"short write of {self.path}")
+            write_all(fd, [data], at=0)  # every byte, or an OSError
             step("ledger:written")
             os.ftruncate(fd, len(data))
             if self.fsync:

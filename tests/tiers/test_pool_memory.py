@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +266,31 @@ def test_a_pool_dropped_without_close_frees_its_memory_and_its_prefault_thread_e
     gc.collect()
     thread.join(3 * IDLE_CHECK_S + 5.0)
     assert not thread.is_alive()
+
+
+def test_close_waits_for_a_call_in_progress_so_no_thread_is_in_madvise_at_exit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon thread still inside ``madvise`` when the interpreter exits can abort the process; close() returns
+    only once the thread has ended (bounded by CLOSE_JOIN_S)."""
+    import threading
+
+    from kvtier.tiers.memory import prefault
+
+    entered = threading.Event()
+
+    def slow_madvise(address: int, length: int, advice: int) -> int:
+        entered.set()
+        time.sleep(0.5)
+        return 0
+
+    monkeypatch.setattr(prefault, "populate_call", lambda: slow_madvise)
+    buf = torch.zeros(16 << 20, dtype=torch.uint8)
+    backer = prefault.Prefaulter(buf)
+    backer.want(4 << 20)
+    assert entered.wait(10.0)
+    thread = backer._thread
+    backer.close()
+    assert thread is not None and not thread.is_alive()
 
 
 def test_backing_ahead_retries_an_interrupted_call_and_stops_where_the_kernel_refuses() -> None:

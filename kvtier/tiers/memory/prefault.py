@@ -32,6 +32,7 @@ PREFAULT_AHEAD = 64 << 20  # bytes backed ahead of the written mark, at most
 PREFAULT_STEP = 4 << 20  # bytes per call: a close or a new mark is seen between calls
 MADV_POPULATE_WRITE = 23
 IDLE_CHECK_S = 1.0  # an idle thread checks this often whether its pool is gone
+CLOSE_JOIN_S = 2.0  # close() waits this long, at most, for a call in progress to finish
 
 Madvise = Callable[[int, int, int], int]
 
@@ -131,8 +132,14 @@ class Prefaulter:
         self.close()
 
     def close(self) -> None:
-        """Stop backing pages (a call in progress finishes first) and let go of the buffer."""
+        """Stop backing pages and let go of the buffer. Waits up to ``CLOSE_JOIN_S`` for a call in progress, so
+        that no thread is inside ``madvise`` when the interpreter exits: a daemon thread that comes back from C
+        then is ended by ``pthread_exit``, which can abort the process ("terminate called without an active
+        exception")."""
         with self._cond:
             self._closed = True
             self._buf = None
             self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_JOIN_S)

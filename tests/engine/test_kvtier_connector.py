@@ -175,3 +175,38 @@ def test_multi_connector_with_a_legacy_child(tmp_path: Path) -> None:
                              kv_transfer_config=_ktc("MultiConnector", {"connectors": children}))
     assert result.passed, result.summary()
     assert result.external_hit_tokens > 0
+
+
+def _exists_calls(server: Any) -> int:
+    stats = server.cli("INFO", "commandstats")
+    line = next((ln for ln in stats.splitlines() if ln.startswith("cmdstat_exists:")), "")
+    return int(line.split("calls=")[1].split(",")[0]) if line else 0
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "shared"])
+def test_a_private_redis_hits_with_no_lookup_on_the_server(tmp_path: Path, redis_factory: Any, private: bool) -> None:
+    """``private: true``: the tier's index answers every lookup (kvtier.tiers.redis.index); the same run on a shared
+    tier asks the server (EXISTS, counted by the server itself)."""
+    server = redis_factory()
+    section = {**tier_section("redis", tmp_path, server.url), "private": private}
+    result = run_conformance(KVTierPair(make_config([section])), args=EngineArgs(model=FULL))
+    assert result.passed, result.summary()
+    assert result.logits_identical and result.external_hit_tokens > 0 and result.stats.get("hits_redis", 0) > 0
+    assert (_exists_calls(server) == 0) == private
+
+
+def test_records_a_private_redis_dropped_behind_its_index_are_recomputed(tmp_path: Path, redis_factory: Any) -> None:
+    """What ``maxmemory`` eviction or a flush does to a private tier: its index still says present, the loads
+    fail, and the engine recomputes those tokens with the same logits."""
+    server = redis_factory()
+    section = {**tier_section("redis", tmp_path, server.url), "private": True}
+    flushed: list[bool] = []
+
+    def flush(_wave: int) -> None:
+        server.cli("FLUSHALL")
+        flushed.append(True)
+
+    result = run_conformance(KVTierPair(make_config([section])), args=EngineArgs(model=FULL), expect_hits=False,
+                             expect_load_failures=True, between_waves=flush)
+    assert flushed and result.passed, result.summary()
+    assert result.load_failures > 0

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -52,9 +53,11 @@ from kvtier.records.keys import Key
 from kvtier.tiers.base import Tier
 from kvtier.tiers.memory.recycle import Recycler, Slots
 from kvtier.tiers.redis import plain as redis_plain
-from kvtier.tiers.redis.breaker import CircuitBreaker
+from kvtier.tiers.redis.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.redis.bulk import GetResult, get_records, record_commands, set_records
+from kvtier.tiers.redis.catalog import RedisSource
 from kvtier.tiers.redis.client import RedisEndpoint, make_client, parse_endpoint
+from kvtier.tiers.redis.index import KeyIndex, scan_records
 from kvtier.tiers.redis.resp import RespError, RespPool
 
 log = logging.getLogger(__name__)
@@ -74,7 +77,8 @@ class RedisTier(Tier):
         super().__init__(section.name, section.capacity)
         self._stats = RedisStats()
         self.section = section
-        self.endpoint: RedisEndpoint = parse_endpoint(section, os.environ if env is None else env)
+        self._env = os.environ if env is None else env
+        self.endpoint: RedisEndpoint = parse_endpoint(section, self._env)
         self._hmac_key = hmac_key
         self.breaker = CircuitBreaker(section.breaker_failures, section.breaker_backoff,
                                       max_backoff=max(30.0, section.breaker_backoff), clock=clock)
@@ -87,6 +91,11 @@ class RedisTier(Tier):
         self._max_raw = codec.DEFAULT_MAX_RAW  # not the capacity: a small reader must not reject big records
         self.buffers = Recycler(buffer_pool_bytes)
         self._fast = not self.endpoint.tls  # raw sockets cannot speak TLS; rediss:// uses redis-py only
+        # private: no other engine uses this Redis, so what it holds is known here (kvtier.tiers.redis.index)
+        self.index = KeyIndex(section.ttl, clock) if section.private else None
+        self._scan_task: asyncio.Task[None] | None = None
+        self._scan_stop = threading.Event()
+        self._opens = 0  # the breaker's openings seen: an opening may mean the server lost its records
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -112,12 +121,43 @@ class RedisTier(Tier):
             log.warning("redis tier %r: %s not reachable at start (%s); its calls are misses until it answers",
                         self.name, self.endpoint.url, type(exc).__name__)
             self.breaker.failure()
+            self._rescan()
+            return
+        self._rescan()
+        if self._scan_task is not None:  # a small server is indexed before the first lookup; a large one later
+            await asyncio.wait({self._scan_task}, timeout=self.section.connect_timeout)
+
+    def _rescan(self) -> None:
+        """Start a scan of what the server holds, for a private tier's index, unless one runs."""
+        if self.index is not None and not self._scan_stop.is_set() and (
+                self._scan_task is None or self._scan_task.done()):
+            self._scan_task = asyncio.get_running_loop().create_task(self._scan(self.index))
+
+    async def _scan(self, index: KeyIndex) -> None:
+        """Fill the index from the server, trying again (1 s, doubling up to 30 s) while it does not answer."""
+        wait = 1.0
+        while not self._scan_stop.is_set():
+            index.scanning()
+            try:
+                found = await asyncio.to_thread(scan_records, RedisSource(self.section, self._env), self._scan_stop)
+            except Exception as exc:  # unreachable or refusing: lookups ask the server meanwhile
+                log.debug("redis tier %r: scan for the index failed: %r", self.name, exc)
+                await asyncio.sleep(wait)
+                wait = min(30.0, wait * 2)
+                continue
+            if not self._scan_stop.is_set():
+                index.scanned(found)
+                log.info("redis tier %r: %d record(s) on the server, indexed (private tier)", self.name, len(found))
+            return
 
     def _make_client(self) -> Any:
         """redis.asyncio's client; no retries: the breaker, not redis-py, decides when to try again."""
         return make_client(self.endpoint, self.section, max_connections=self.section.pool_size)
 
     async def close(self) -> None:
+        self._scan_stop.set()  # a scan's thread ends after its current batch
+        if self._scan_task is not None:
+            self._scan_task.cancel()
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
@@ -138,7 +178,10 @@ class RedisTier(Tier):
         self._stats.lookups += len(keys)
         if not keys:
             return []
-        found = await self._guarded(lambda: self._small(redis_plain.exists(self._client, self._names(keys))), None)
+        found = self.index.known(keys) if self.index is not None else None
+        if found is None:
+            found = await self._guarded(lambda: self._small(redis_plain.exists(self._client, self._names(keys))),
+                                        None)
         out = found if found is not None else [False] * len(keys)
         self._stats.hits += sum(out)
         return out
@@ -151,6 +194,8 @@ class RedisTier(Tier):
             result = await self._guarded(lambda: self._get(keys), None)
         if result is None:
             return [None] * len(keys)
+        if self.index is not None:
+            self.index.gone(key for key, value in zip(keys, result.values, strict=True) if value is None)
         corrupt = sorted(set(result.corrupt))
         if corrupt:
             self._stats.corrupt += len(corrupt)
@@ -179,18 +224,31 @@ class RedisTier(Tier):
         for j, (i, key, _, size, previous) in enumerate(todo):
             ok[i] = bool(stored and stored[j])
             self._commit(key, size, previous, ok[i])
+            if ok[i] and self.index is not None:
+                self.index.stored(key)
         return ok
 
     async def delete(self, keys: Sequence[Key]) -> int:
         if not keys:
             return 0
         totals = [self._sizes.pop(key, None) for key in keys]
+        if self.index is not None:
+            self.index.gone(keys)
         self._used -= sum(t for t in totals if t)
         removed = await self._guarded(
             lambda: self._small(redis_plain.delete_records(self._client, self._names(keys), totals)), None)
         n = sum(removed) if removed is not None else 0
         self._stats.deletes += n
         return n
+
+    def known(self, keys: Sequence[Key]) -> list[bool] | None:
+        """A private tier's answer from its index (kvtier.tiers.redis.index), without asking the server; None
+        for a shared tier, or while the index is not ready. Counted as ``contains`` is."""
+        found = self.index.known(keys) if self.index is not None else None
+        if found is not None:
+            self._stats.lookups += len(keys)
+            self._stats.hits += sum(found)
+        return found
 
     def used_bytes(self) -> int:
         return self._used
@@ -215,6 +273,12 @@ class RedisTier(Tier):
 
     async def _guarded(self, op: Callable[[], Awaitable[T]], fallback: T) -> T:
         """Run ``op`` through the breaker; any failure is counted and becomes ``fallback``."""
+        try:
+            return await self._attempt(op, fallback)
+        finally:
+            self._check_index()
+
+    async def _attempt(self, op: Callable[[], Awaitable[T]], fallback: T) -> T:
         if self._client is None or not self.breaker.allow():
             return fallback
         try:
@@ -239,6 +303,17 @@ class RedisTier(Tier):
             raise
         self.breaker.success()
         return result
+
+    def _check_index(self) -> None:
+        """A private tier's index after a call: an opened breaker may mean the server lost its records (ask it
+        until a new scan); a server answering again gets that scan."""
+        if self.index is None:
+            return
+        if self.breaker.opens != self._opens:
+            self._opens = self.breaker.opens
+            self.index.lost()
+        elif not self.index.ready and self.breaker.state == BreakerState.CLOSED:
+            self._rescan()
 
     def _names(self, keys: Sequence[Key]) -> list[bytes]:
         return [self.redis_key(k) for k in keys]

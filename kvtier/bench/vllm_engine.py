@@ -7,7 +7,8 @@ Each mode is one engine process running the same model (default: a random-weight
 * ``none``: no cache at all (vLLM's prefix cache off): every prompt is prefilled in full;
 * ``vllm_prefix``: vLLM's own prefix cache (in the engine's KV memory), the best a hit can do;
 * ``kvtier_cpu`` / ``kvtier_disk`` / ``kvtier_redis``: kvtier with that single tier (a private ``redis-server``
-  on a loopback port) and vLLM's prefix cache off, so every hit comes from the tier;
+  on a loopback port) and vLLM's prefix cache off, so every hit comes from the tier; ``kvtier_redis_private``:
+  the Redis tier with ``private: true`` (its lookups answered from its index, no round trip);
 * ``vllm_offloading``: vLLM's own OffloadingConnector (CPU offload), where it runs on this build.
 
 For each prompt length L a prefix of L tokens is run once (kvtier saves it); then rounds interleave the
@@ -37,7 +38,8 @@ from kvtier.bench.vllm_driver import ENV, kvtier_transfer, llm_kwargs
 from kvtier.ops.argtypes import existing_path, positive_int
 from kvtier.ops.vllm_server import same_kvtier
 
-ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "vllm_offloading")
+ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "kvtier_redis_private",
+             "vllm_offloading")
 SUFFIX = 16
 OUTPUT_TOKENS = 16
 CHUNK = 64
@@ -63,11 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None, chunk: int = CHUNK) -> str:
-    """A one-tier kvtier config for ``mode`` (kvtier_cpu / kvtier_disk / kvtier_redis) in an engine whose prefix
-    cache is off, so that every hit is the tier's."""
+    """A one-tier kvtier config for ``mode`` (kvtier_cpu / kvtier_disk / kvtier_redis[_private]) in an engine whose
+    prefix cache is off, so that every hit is the tier's."""
+    redis = f"name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1s"
     tier = {"kvtier_cpu": "{name: cpu, kind: cpu, capacity: 2GiB}",
             "kvtier_disk": f"{{name: disk, kind: disk, capacity: 4GiB, path: {workdir / 'kv'}}}",
-            "kvtier_redis": f"{{name: redis, kind: redis, capacity: 2GiB, url: '{redis_url}', timeout: 1s}}"}[mode]
+            "kvtier_redis": f"{{{redis}}}",
+            "kvtier_redis_private": f"{{{redis}, key_prefix: private, private: true}}"}[mode]
     # vLLM's prefix cache is off in these modes so that every hit comes from the tier: by choice, so kvtier may serve
     path.write_text(f"chunk_size: {chunk}\ntiers: [{tier}]\nserve_without_prefix_caching: true\n")
     return str(path)
@@ -340,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         model, dtype = ((make_qwen3_next(str(workdir)), "bfloat16") if args.hybrid
                         else (args.model or make_llama(str(workdir), layers, hidden), "float32"))
         chunk = HYBRID_CHUNK if args.hybrid else CHUNK
-        redis_url = stack.enter_context(redis_server()) if "kvtier_redis" in args.modes else None
+        redis_url = stack.enter_context(redis_server()) if any("redis" in m for m in args.modes) else None
         spec = {"model": model, "dtype": dtype, "hybrid": args.hybrid, "prompts": _prompts(lengths, repeats, batch),
                 "repeats": repeats, "batch": batch, "max_model_len": max(lengths) + SUFFIX + OUTPUT_TOKENS + 64}
         results: dict[str, dict[str, Any]] = {}

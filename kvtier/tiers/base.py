@@ -77,11 +77,6 @@ class Tier(ABC):
     @abstractmethod
     async def contains(self, keys: Sequence[Key]) -> list[bool]: ...
 
-    def known(self, keys: Sequence[Key]) -> list[bool] | None:
-        """``contains`` answered from memory, without I/O, callable from any thread; None where the tier cannot
-        (then ask ``contains``). Default: None. A private Redis tier answers from its index."""
-        return None
-
     @abstractmethod
     async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]: ...
 

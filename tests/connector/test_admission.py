@@ -172,7 +172,7 @@ def test_with_a_shared_tier_placed_every_chunk_is_saved_unless_it_is_private(
     if redis:
         tiers += (RedisTierConfig("redis", 1 << 30, url="redis://127.0.0.1:1/0", private=redis == "private"),)
         slots.append(TierSlot("redis", 1 << 30, make_policy("lru"), shared=True))
-    stand_ins = {t.name: SimpleNamespace(name=t.name, stored_size=lambda n: n, known=lambda keys: None) for t in tiers}
+    stand_ins = {t.name: SimpleNamespace(name=t.name, stored_size=lambda n: n) for t in tiers}
     half = SchedulerHalf(_learned(tiers), KVCacheConfig((FULL,)), [bytes(16)],
                          directory=Directory(slots), tiers=stand_ins)  # type: ignore[arg-type]
     planned = []

@@ -133,9 +133,6 @@ class Locator:
         return Located(out, frozenset(writing))
 
     def _shared_contains(self, tier: str, keys: list[Key]) -> list[bool]:
-        known = self._tiers[tier].known(keys)  # a private Redis: from its index, with no round trip
-        if known is not None:
-            return known
         if self._loop is None:
             return [False] * len(keys)
 

@@ -21,6 +21,7 @@ from typing import Any
 from kvtier.config import RedisTierConfig
 from kvtier.errors import CorruptRecord, TierUnavailable
 from kvtier.records.codec import HEADER_SIZE, decode_header
+from kvtier.tiers.base import TierEntry
 from kvtier.tiers.catalog import RecordInfo
 from kvtier.tiers.manifest import Manifest, parse, redis_name
 from kvtier.tiers.redis.client import RedisEndpoint, make_client, parse_endpoint
@@ -210,6 +211,21 @@ class RedisSource:
         for client in (self._nodes or {}).values():
             client.close()
         self._nodes = None
+
+
+def scan_entries(source: RedisSource, stop: threading.Event) -> list[TierEntry]:
+    """Every sound record of a tier (key and stored size), listed in a worker thread (it blocks); ends early once
+    ``stop`` is set. A record that fails its header check is left out. Raises ``TierUnavailable``."""
+    out: list[TierEntry] = []
+    try:
+        for record in source.records():
+            if stop.is_set():
+                break
+            if record.error is None and record.header is not None:
+                out.append(TierEntry(record.key, record.size))
+    finally:
+        source.close()
+    return out
 
 
 def _header_or_none(head: bytes, key: bytes) -> Any:

@@ -22,8 +22,13 @@ probe goes through after ``breaker_backoff`` seconds (doubling up to 30 s while 
 re-opened as needed. Corrupt or foreign values (another key, another namespace, a bad checksum or signature) are
 misses, deleted and counted in ``stats().corrupt``.
 
-Capacity: kvtier does not own Redis memory. ``used_bytes`` is what this process wrote and did not delete
-(TTL expiry and other writers are invisible to it), a report only: puts are not refused because of it, and
+A private tier (``private: true``, no ``ttl``: no other engine uses this Redis) is tracked by the directory as a
+local tier is: ``start`` lists the records the server holds (``entries``, the catalog's scan), lookups ask the
+server nothing, and the directory keeps it within ``capacity`` by choosing victims, which are deleted here. A record
+the server dropped behind the directory (``maxmemory`` eviction, a flush, a restart) reads as a miss.
+
+Capacity of a shared tier: kvtier does not own Redis memory. ``used_bytes`` is what this process wrote and did not
+delete (TTL expiry and other writers are invisible to it), a report only: puts are not refused because of it, and
 may take it above ``capacity``; only a single record larger than ``capacity`` is refused. Bound the server
 instead::
 
@@ -50,14 +55,13 @@ from kvtier.errors import TierUnavailable
 from kvtier.layout import dtype_name
 from kvtier.records import codec
 from kvtier.records.keys import Key
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Tier, TierEntry
 from kvtier.tiers.memory.recycle import Recycler, Slots
 from kvtier.tiers.redis import plain as redis_plain
-from kvtier.tiers.redis.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.redis.breaker import CircuitBreaker
 from kvtier.tiers.redis.bulk import GetResult, get_records, record_commands, set_records
-from kvtier.tiers.redis.catalog import RedisSource
+from kvtier.tiers.redis.catalog import RedisSource, scan_entries
 from kvtier.tiers.redis.client import RedisEndpoint, make_client, parse_endpoint
-from kvtier.tiers.redis.index import KeyIndex, scan_records
 from kvtier.tiers.redis.resp import RespError, RespPool
 
 log = logging.getLogger(__name__)
@@ -91,11 +95,10 @@ class RedisTier(Tier):
         self._max_raw = codec.DEFAULT_MAX_RAW  # not the capacity: a small reader must not reject big records
         self.buffers = Recycler(buffer_pool_bytes)
         self._fast = not self.endpoint.tls  # raw sockets cannot speak TLS; rediss:// uses redis-py only
-        # private: no other engine uses this Redis, so what it holds is known here (kvtier.tiers.redis.index)
-        self.index = KeyIndex(section.ttl, clock) if section.private else None
-        self._scan_task: asyncio.Task[None] | None = None
-        self._scan_stop = threading.Event()
-        self._opens = 0  # the breaker's openings seen: an opening may mean the server lost its records
+        # private (no other engine uses it) and not expiring: the directory tracks it as it does a local tier
+        self.is_shared = not section.private or self.expiring
+        self._entries: list[TierEntry] = []  # what the server held at start (a private tier's scan)
+        self._stop = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -121,43 +124,31 @@ class RedisTier(Tier):
             log.warning("redis tier %r: %s not reachable at start (%s); its calls are misses until it answers",
                         self.name, self.endpoint.url, type(exc).__name__)
             self.breaker.failure()
-            self._rescan()
             return
-        self._rescan()
-        if self._scan_task is not None:  # a small server is indexed before the first lookup; a large one later
-            await asyncio.wait({self._scan_task}, timeout=self.section.connect_timeout)
+        if not self.is_shared:
+            await self._scan()
 
-    def _rescan(self) -> None:
-        """Start a scan of what the server holds, for a private tier's index, unless one runs."""
-        if self.index is not None and not self._scan_stop.is_set() and (
-                self._scan_task is None or self._scan_task.done()):
-            self._scan_task = asyncio.get_running_loop().create_task(self._scan(self.index))
-
-    async def _scan(self, index: KeyIndex) -> None:
-        """Fill the index from the server, trying again (1 s, doubling up to 30 s) while it does not answer."""
-        wait = 1.0
-        while not self._scan_stop.is_set():
-            index.scanning()
-            try:
-                found = await asyncio.to_thread(scan_records, RedisSource(self.section, self._env), self._scan_stop)
-            except Exception as exc:  # unreachable or refusing: lookups ask the server meanwhile
-                log.debug("redis tier %r: scan for the index failed: %r", self.name, exc)
-                await asyncio.sleep(wait)
-                wait = min(30.0, wait * 2)
-                continue
-            if not self._scan_stop.is_set():
-                index.scanned(found)
-                log.info("redis tier %r: %d record(s) on the server, indexed (private tier)", self.name, len(found))
+    async def _scan(self) -> None:
+        """A private tier: list what the server holds (``entries``), for the directory to adopt."""
+        try:
+            self._entries = await asyncio.to_thread(scan_entries, RedisSource(self.section, self._env), self._stop)
+        except Exception as exc:  # its records are then misses until written again, never wrong
+            log.warning("redis tier %r: could not list the records on %s at start (%s); they are misses",
+                        self.name, self.endpoint.url, exc)
             return
+        log.info("redis tier %r: %d record(s) on %s at start", self.name, len(self._entries), self.endpoint.url)
+
+    def entries(self) -> list[TierEntry]:
+        """A private tier: the records the server held at start (a shared tier lists none)."""
+        return self._entries
 
     def _make_client(self) -> Any:
         """redis.asyncio's client; no retries: the breaker, not redis-py, decides when to try again."""
         return make_client(self.endpoint, self.section, max_connections=self.section.pool_size)
 
     async def close(self) -> None:
-        self._scan_stop.set()  # a scan's thread ends after its current batch
-        if self._scan_task is not None:
-            self._scan_task.cancel()
+        self._stop.set()  # a scan still running ends after its current batch
+        self._entries = []
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
@@ -178,10 +169,7 @@ class RedisTier(Tier):
         self._stats.lookups += len(keys)
         if not keys:
             return []
-        found = self.index.known(keys) if self.index is not None else None
-        if found is None:
-            found = await self._guarded(lambda: self._small(redis_plain.exists(self._client, self._names(keys))),
-                                        None)
+        found = await self._guarded(lambda: self._small(redis_plain.exists(self._client, self._names(keys))), None)
         out = found if found is not None else [False] * len(keys)
         self._stats.hits += sum(out)
         return out
@@ -194,8 +182,6 @@ class RedisTier(Tier):
             result = await self._guarded(lambda: self._get(keys), None)
         if result is None:
             return [None] * len(keys)
-        if self.index is not None:
-            self.index.gone(key for key, value in zip(keys, result.values, strict=True) if value is None)
         corrupt = sorted(set(result.corrupt))
         if corrupt:
             self._stats.corrupt += len(corrupt)
@@ -224,31 +210,18 @@ class RedisTier(Tier):
         for j, (i, key, _, size, previous) in enumerate(todo):
             ok[i] = bool(stored and stored[j])
             self._commit(key, size, previous, ok[i])
-            if ok[i] and self.index is not None:
-                self.index.stored(key)
         return ok
 
     async def delete(self, keys: Sequence[Key]) -> int:
         if not keys:
             return 0
         totals = [self._sizes.pop(key, None) for key in keys]
-        if self.index is not None:
-            self.index.gone(keys)
         self._used -= sum(t for t in totals if t)
         removed = await self._guarded(
             lambda: self._small(redis_plain.delete_records(self._client, self._names(keys), totals)), None)
         n = sum(removed) if removed is not None else 0
         self._stats.deletes += n
         return n
-
-    def known(self, keys: Sequence[Key]) -> list[bool] | None:
-        """A private tier's answer from its index (kvtier.tiers.redis.index), without asking the server; None
-        for a shared tier, or while the index is not ready. Counted as ``contains`` is."""
-        found = self.index.known(keys) if self.index is not None else None
-        if found is not None:
-            self._stats.lookups += len(keys)
-            self._stats.hits += sum(found)
-        return found
 
     def used_bytes(self) -> int:
         return self._used
@@ -273,12 +246,6 @@ class RedisTier(Tier):
 
     async def _guarded(self, op: Callable[[], Awaitable[T]], fallback: T) -> T:
         """Run ``op`` through the breaker; any failure is counted and becomes ``fallback``."""
-        try:
-            return await self._attempt(op, fallback)
-        finally:
-            self._check_index()
-
-    async def _attempt(self, op: Callable[[], Awaitable[T]], fallback: T) -> T:
         if self._client is None or not self.breaker.allow():
             return fallback
         try:
@@ -303,17 +270,6 @@ class RedisTier(Tier):
             raise
         self.breaker.success()
         return result
-
-    def _check_index(self) -> None:
-        """A private tier's index after a call: an opened breaker may mean the server lost its records (ask it
-        until a new scan); a server answering again gets that scan."""
-        if self.index is None:
-            return
-        if self.breaker.opens != self._opens:
-            self._opens = self.breaker.opens
-            self.index.lost()
-        elif not self.index.ready and self.breaker.state == BreakerState.CLOSED:
-            self._rescan()
 
     def _names(self, keys: Sequence[Key]) -> list[bytes]:
         return [self.redis_key(k) for k in keys]

@@ -1,0 +1,112 @@
+"""A private Redis tier (``private: true``, no ``ttl``), on real servers: the directory tracks it as it does a local
+tier, so it lists what the server holds at start, lookups ask the server nothing (the server's own count of EXISTS
+calls shows it), kvtier keeps it within its capacity, and a record the server dropped behind the directory is a
+miss, never wrong KV."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+from contract import assert_same, rand
+from redis_helpers import Make, fresh_prefix, started_tiers
+
+from kvtier import TieredStore, load_config
+from kvtier.bench.redis_servers import RedisServer
+from kvtier.config import RedisTierConfig
+from kvtier.tiers.redis.tier import RedisTier
+
+
+def k(i: int) -> bytes:
+    return b"namespace-P-0000" + i.to_bytes(16, "big")
+
+
+@pytest.fixture
+async def make(redis_server: RedisServer) -> AsyncIterator[Make]:
+    async with started_tiers(redis_server.url) as build:
+        yield build
+
+
+@pytest.fixture
+def raw(redis_server: RedisServer) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=redis_server.port)
+
+
+def exists_calls(raw: redis.Redis) -> int:
+    return int(raw.info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
+
+
+async def test_a_private_tier_lists_what_the_server_holds_at_start_and_leaves_out_a_bad_record(
+        make: Make, raw: redis.Redis) -> None:
+    first = await make()
+    values = {i: rand((2000 + 1000 * i,), seed=i) for i in range(3)}
+    assert all(await first.put([(k(i), t) for i, t in values.items()]))
+    raw.set(first.redis_key(k(9)), b"not a record")
+    assert first.is_shared and first.entries() == []
+    second = await make(private=True)
+    assert not second.is_shared
+    assert {e.key: e.size for e in second.entries()} == {k(i): second.stored_size(t.nbytes) for i, t in values.items()}
+
+
+async def test_a_private_tier_with_a_ttl_is_asked_as_a_shared_one_is(make: Make) -> None:
+    """Records that expire on the server cannot be tracked here: such a tier is looked up on the server."""
+    tier = await make(private=True, ttl=30.0)
+    assert tier.is_shared and tier.entries() == []
+
+
+async def test_a_private_tier_whose_server_is_down_at_start_lists_nothing_and_starts() -> None:
+    section = RedisTierConfig(name="redis", capacity=1 << 28, url="redis://127.0.0.1:1/0", timeout=0.2,
+                              connect_timeout=0.2, private=True)
+    tier = RedisTier(section)
+    t0 = time.monotonic()
+    await tier.start()
+    assert tier.entries() == [] and await tier.contains([k(1)]) == [False]
+    await tier.close()
+    assert time.monotonic() - t0 < 5.0
+
+
+def _config(url: str, prefix: str, capacity: str = "1GiB") -> dict[str, object]:
+    return {"chunk_size": 16, "tiers": [{"name": "redis", "kind": "redis", "capacity": capacity, "url": url,
+                                         "key_prefix": prefix, "timeout": "5s", "private": True}]}
+
+
+async def test_a_store_restarted_on_a_private_tier_finds_its_records_without_asking_the_server(
+        redis_server: RedisServer, raw: redis.Redis) -> None:
+    prefix = fresh_prefix()
+    values = [(k(i), rand((4096,), seed=i)) for i in range(4)]
+    store = TieredStore.from_config(load_config(_config(redis_server.url, prefix), env={}))
+    await store.start()
+    await store.put(values)
+    await store.close()
+    again = TieredStore.from_config(load_config(_config(redis_server.url, prefix), env={}))
+    await again.start()
+    try:
+        calls = exists_calls(raw)
+        assert (await again.lookup([key for key, _ in values] + [k(99)])).hits == 4
+        assert exists_calls(raw) == calls  # the directory answered
+        for (_, want), got in zip(values, await again.get([key for key, _ in values]), strict=True):
+            assert got is not None
+            assert_same(got, want)
+        raw.delete(again.tier("redis").redis_key(k(0)))  # what maxmemory eviction or a flush does
+        assert (await again.get([k(0)]))[0] is None  # a miss, and the directory forgets it
+        assert (await again.lookup([k(0)])).hits == 0
+    finally:
+        await again.close()
+
+
+async def test_kvtier_keeps_a_private_tier_within_its_capacity(redis_server: RedisServer, raw: redis.Redis) -> None:
+    """The directory chooses victims for a private tier, as for disk, and they are deleted from the server."""
+    prefix = fresh_prefix()
+    record = RedisTier(RedisTierConfig(name="r", capacity=1, url=redis_server.url)).stored_size(4096 * 4)
+    store = TieredStore.from_config(load_config(_config(redis_server.url, prefix, f"{3 * record}B"), env={}))
+    await store.start()
+    try:
+        for i in range(6):
+            await store.put([(k(i), rand((4096,), seed=i))])
+        held = sorted(raw.scan_iter(match=f"{prefix}:*"))
+        assert len(held) == 3 and store.tier("redis").used_bytes() == 3 * record
+        assert (await store.lookup([k(5)])).hits == 1 and (await store.lookup([k(0)])).hits == 0
+    finally:
+        await store.close()

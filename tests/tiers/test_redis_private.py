@@ -110,3 +110,28 @@ async def test_kvtier_keeps_a_private_tier_within_its_capacity(redis_server: Red
         assert (await store.lookup([k(5)])).hits == 1 and (await store.lookup([k(0)])).hits == 0
     finally:
         await store.close()
+
+
+async def test_write_back_persists_memory_chunks_into_a_private_tier_and_a_restart_finds_them(
+        redis_server: RedisServer) -> None:
+    """A private Redis survives the engine as a disk does: at close, what only the cpu tier holds is copied there."""
+    prefix = fresh_prefix()
+    cfg = {"chunk_size": 16, "policy": {"write": "write_back"},
+           "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "64MiB"},
+                     {"name": "redis", "kind": "redis", "capacity": "1GiB", "url": redis_server.url,
+                      "key_prefix": prefix, "timeout": "5s", "private": True}]}
+    values = [(k(i), rand((4096,), seed=i)) for i in range(3)]
+    store = TieredStore.from_config(load_config(cfg, env={}))
+    await store.start()
+    await store.put(values)
+    assert (await store.lookup([key for key, _ in values])).tiers == ("cpu",) * 3
+    await store.close()
+    again = TieredStore.from_config(load_config(cfg, env={}))
+    await again.start()
+    try:
+        assert (await again.lookup([key for key, _ in values])).tiers == ("redis",) * 3
+        for (_, want), got in zip(values, await again.get([key for key, _ in values]), strict=True):
+            assert got is not None
+            assert_same(got, want)
+    finally:
+        await again.close()

@@ -8,7 +8,7 @@ Each mode is one engine process running the same model (default: a random-weight
 * ``vllm_prefix``: vLLM's own prefix cache (in the engine's KV memory), the best a hit can do;
 * ``kvtier_cpu`` / ``kvtier_disk`` / ``kvtier_redis``: kvtier with that single tier (a private ``redis-server``
   on a loopback port) and vLLM's prefix cache off, so every hit comes from the tier; ``kvtier_redis_private``:
-  the Redis tier with ``private: true`` (its lookups answered from its index, no round trip);
+  the Redis tier with ``private: true`` (tracked by the directory as a local tier: no lookup asks the server);
 * ``vllm_offloading``: vLLM's own OffloadingConnector (CPU offload), where it runs on this build.
 
 For each prompt length L a prefix of L tokens is run once (kvtier saves it); then rounds interleave the

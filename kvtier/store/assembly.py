@@ -103,6 +103,7 @@ async def start_tiers(tiers: Sequence[Tier], role: Role, directory: Directory | 
                 continue
             started.append(tier)
             if directory is not None and not tier.is_shared:
+                await tier.list_entries()
                 adopted = directory.adopt(tier.name, ((e.key, e.size) for e in tier.entries()))
                 if adopted:
                     logger.info("tier %s: adopted %d existing records", tier.name, adopted)

@@ -64,6 +64,11 @@ class Tier(ABC):
     async def start(self) -> None:
         """Open the medium. Default: nothing to do."""
 
+    async def list_entries(self) -> None:
+        """Read what the medium already holds, for ``entries()``: called after ``start`` only where a directory
+        adopts it (the scheduler, a one-process store), never on a worker. Default: nothing to do (the disk tier
+        reads its records in ``start``, which its quota needs anyway)."""
+
     def entries(self) -> Iterable[TierEntry]:
         """Records already present at start (local persistent tiers). Default: none."""
         return ()

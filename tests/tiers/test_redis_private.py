@@ -38,31 +38,86 @@ def exists_calls(raw: redis.Redis) -> int:
     return int(raw.info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
 
 
-async def test_a_private_tier_lists_what_the_server_holds_at_start_and_leaves_out_a_bad_record(
+async def test_a_private_tier_lists_what_the_server_holds_and_deletes_an_unreadable_record(
         make: Make, raw: redis.Redis) -> None:
     first = await make()
     values = {i: rand((2000 + 1000 * i,), seed=i) for i in range(3)}
+    values[3] = rand((9 << 18,), seed=3)  # 9 MiB: stored in parts (kvtier.tiers.redis.bulk)
     assert all(await first.put([(k(i), t) for i, t in values.items()]))
     raw.set(first.redis_key(k(9)), b"not a record")
+    await first.list_entries()
     assert first.is_shared and first.entries() == []
     second = await make(private=True)
-    assert not second.is_shared
+    assert not second.is_shared and second.entries() == []  # listed only where a directory adopts them
+    await second.list_entries()
     assert {e.key: e.size for e in second.entries()} == {k(i): second.stored_size(t.nbytes) for i, t in values.items()}
+    assert raw.exists(second.redis_key(k(9))) == 0
 
 
-async def test_a_private_tier_with_a_ttl_is_asked_as_a_shared_one_is(make: Make) -> None:
+async def test_records_past_a_private_tiers_capacity_are_deleted_with_their_parts_when_listed(
+        make: Make, raw: redis.Redis) -> None:
+    """The capacity was lowered since they were written: what does not fit is deleted, so that the server holds no
+    record kvtier does not track."""
+    big = rand((9 << 18,), seed=1)
+    first = await make()
+    assert await first.put([(k(1), big), (k(2), big)]) == [True, True]
+    assert len(list(raw.scan_iter(match=f"*{first.section.key_prefix}:*"))) > 2  # the heads and their parts
+    size = first.stored_size(big.nbytes)
+    second = await make(private=True, capacity=size + size // 2)
+    await second.list_entries()
+    kept = second.entries()
+    assert len(kept) == 1 and kept[0].size == size
+    names = sorted(raw.scan_iter(match=f"*{first.section.key_prefix}:*"))
+    gone = k(2) if kept[0].key == k(1) else k(1)
+    assert not [n for n in names if first.redis_key(gone) in n]  # its head and every part
+    assert second.used_bytes() == 0
+
+
+async def test_a_private_tier_lists_only_the_namespaces_it_was_given(make: Make) -> None:
+    """Each tensor-parallel rank stores its own shard under its own namespace: the scheduler's tier adopts rank 0's
+    (the namespaces it described), and leaves the others' records alone."""
+    other = b"namespace-Q-0000" + (1).to_bytes(16, "big")
+    first = await make()
+    assert all(await first.put([(k(1), rand((500,))), (other, rand((500,)))]))
+    second = await make(private=True)
+    second.describe({k(1)[:16]: {}})
+    await second.list_entries()
+    assert [e.key for e in second.entries()] == [k(1)]
+
+
+async def test_a_key_prefix_with_a_colon_is_listed(make: Make) -> None:
+    first = await make(key_prefix="app:kv")
+    assert await first.put([(k(1), rand((500,)))]) == [True]
+    second = await make(key_prefix="app:kv", private=True)
+    await second.list_entries()
+    assert [e.key for e in second.entries()] == [k(1)]
+
+
+async def test_a_private_tier_with_a_ttl_is_asked_as_a_shared_one_is(
+        redis_server: RedisServer, raw: redis.Redis) -> None:
     """Records that expire on the server cannot be tracked here: such a tier is looked up on the server."""
-    tier = await make(private=True, ttl=30.0)
-    assert tier.is_shared and tier.entries() == []
+    cfg = _config(redis_server.url, fresh_prefix())
+    cfg["tiers"][0]["ttl"] = "30s"  # type: ignore[index]
+    store = TieredStore.from_config(load_config(cfg, env={}))
+    await store.start()
+    try:
+        assert store.tier("redis").is_shared
+        await store.put([(k(1), rand((4096,)))])
+        calls = exists_calls(raw)
+        assert (await store.lookup([k(1), k(2)])).hits == 1
+        assert exists_calls(raw) > calls
+    finally:
+        await store.close()
 
 
-async def test_a_private_tier_whose_server_is_down_at_start_lists_nothing_and_starts() -> None:
+async def test_a_private_tier_whose_server_is_down_at_start_starts_at_once_and_lists_nothing() -> None:
     section = RedisTierConfig(name="redis", capacity=1 << 28, url="redis://127.0.0.1:1/0", timeout=0.2,
                               connect_timeout=0.2, private=True)
     tier = RedisTier(section)
     t0 = time.monotonic()
     await tier.start()
-    assert tier.entries() == [] and await tier.contains([k(1)]) == [False]
+    await tier.list_entries()
+    assert tier.entries() == []
     await tier.close()
     assert time.monotonic() - t0 < 5.0
 

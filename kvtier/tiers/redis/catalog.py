@@ -119,7 +119,7 @@ class RedisSource:
         return out
 
     def _key_of(self, name: bytes) -> bytes | None:
-        parts = name.decode(errors="replace").split(":")
+        parts = name.decode(errors="replace").rsplit(":", 2)  # the prefix may hold a colon itself
         if len(parts) != 3 or parts[0] != self.prefix or len(parts[1]) != 32 or len(parts[2]) != 32:
             return None
         try:
@@ -213,16 +213,31 @@ class RedisSource:
         self._nodes = None
 
 
-def scan_entries(source: RedisSource, stop: threading.Event) -> list[TierEntry]:
-    """Every sound record of a tier (key and stored size), listed in a worker thread (it blocks); ends early once
-    ``stop`` is set. A record that fails its header check is left out. Raises ``TierUnavailable``."""
-    out: list[TierEntry] = []
+@dataclasses.dataclass
+class Listing:
+    """What a scan found: the sound records (key, stored size), the keys of unreadable ones, and why it stopped
+    early (None: it listed everything)."""
+
+    entries: list[TierEntry] = dataclasses.field(default_factory=list)
+    bad: list[bytes] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
+def scan_entries(source: RedisSource, stop: threading.Event) -> Listing:
+    """Every record of a tier, listed in a worker thread (it blocks); ends early once ``stop`` is set or the server
+    fails (``Listing.error``), with what it had."""
+    out = Listing()
     try:
         for record in source.records():
             if stop.is_set():
+                out.error = "stopped"
                 break
             if record.error is None and record.header is not None:
-                out.append(TierEntry(record.key, record.size))
+                out.entries.append(TierEntry(record.key, record.size))
+            else:
+                out.bad.append(record.key)
+    except TierUnavailable as exc:
+        out.error = str(exc)
     finally:
         source.close()
     return out

@@ -97,7 +97,9 @@ class RedisTier(Tier):
         self._fast = not self.endpoint.tls  # raw sockets cannot speak TLS; rediss:// uses redis-py only
         # private (no other engine uses it) and not expiring: the directory tracks it as it does a local tier
         self.is_shared = not section.private or self.expiring
-        self._entries: list[TierEntry] = []  # what the server held at start (a private tier's scan)
+        self._listed: list[TierEntry] = []  # what the server held at start (a private tier's list_entries)
+        self._own: set[bytes] = set()  # the namespaces this process serves (describe); none named: all
+        self._answered = False  # the server answered at start
         self._stop = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -107,6 +109,7 @@ class RedisTier(Tier):
         from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
         self._client = self._make_client()
+        self._stop.clear()
         try:
             async with asyncio.timeout(self.section.connect_timeout + self.section.timeout):
                 if self.endpoint.cluster:
@@ -125,22 +128,46 @@ class RedisTier(Tier):
                         self.name, self.endpoint.url, type(exc).__name__)
             self.breaker.failure()
             return
-        if not self.is_shared:
-            await self._scan()
+        self._answered = True
 
-    async def _scan(self) -> None:
-        """A private tier: list what the server holds (``entries``), for the directory to adopt."""
-        try:
-            self._entries = await asyncio.to_thread(scan_entries, RedisSource(self.section, self._env), self._stop)
-        except Exception as exc:  # its records are then misses until written again, never wrong
-            log.warning("redis tier %r: could not list the records on %s at start (%s); they are misses",
-                        self.name, self.endpoint.url, exc)
+    async def list_entries(self) -> None:
+        """A private tier whose server answered at start: list the records it holds (``entries``), for the
+        directory to adopt; records past ``capacity`` (of this process's namespaces) and unreadable ones are
+        deleted. A scan that fails keeps what it listed: the rest stays on the server, never read, the first
+        that ``allkeys-lru`` evicts."""
+        if self.is_shared or not self._answered:
             return
-        log.info("redis tier %r: %d record(s) on %s at start", self.name, len(self._entries), self.endpoint.url)
+        log.info("redis tier %r: listing the records on %s", self.name, self.endpoint.url)
+        t0 = time.monotonic()
+        listing = await asyncio.to_thread(scan_entries, RedisSource(self.section, self._env), self._stop)
+        if listing.error:
+            log.warning("redis tier %r: listing the records on %s stopped (%s); those not listed are misses",
+                        self.name, self.endpoint.url, listing.error)
+        kept: list[TierEntry] = []
+        surplus: list[TierEntry] = []
+        total = 0
+        for entry in listing.entries:
+            fits = not self._mine(entry.key) or total + entry.size <= self.capacity_bytes
+            total += entry.size if self._mine(entry.key) and fits else 0
+            (kept if fits else surplus).append(entry)
+        self._listed = kept
+        await self._drop_listed(surplus, listing.bad)
+        log.info("redis tier %r: %d record(s) on %s (%.1f s); %d past its capacity and %d unreadable deleted",
+                 self.name, len(kept), self.endpoint.url, time.monotonic() - t0, len(surplus), len(listing.bad))
+
+    async def _drop_listed(self, surplus: list[TierEntry], bad: list[Key]) -> None:
+        for entry in surplus:
+            self._sizes[entry.key] = entry.size  # so that delete removes a large record's parts too
+            self._used += entry.size
+        await self.delete([e.key for e in surplus] + bad)
+
+    def _mine(self, key: Key) -> bool:
+        return not self._own or key[:16] in self._own
 
     def entries(self) -> list[TierEntry]:
-        """A private tier: the records the server held at start (a shared tier lists none)."""
-        return self._entries
+        """A private tier: the records of this process's namespaces the server held at start (``list_entries``);
+        a shared tier lists none."""
+        return [e for e in self._listed if self._mine(e.key)]
 
     def _make_client(self) -> Any:
         """redis.asyncio's client; no retries: the breaker, not redis-py, decides when to try again."""
@@ -148,7 +175,7 @@ class RedisTier(Tier):
 
     async def close(self) -> None:
         self._stop.set()  # a scan still running ends after its current batch
-        self._entries = []
+        self._listed = []
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
@@ -237,9 +264,11 @@ class RedisTier(Tier):
         return self._stats
 
     def describe(self, manifests: Mapping[bytes, Mapping[str, Any]]) -> None:
-        """SET ``{key_prefix}:manifest:{namespace hex}`` per namespace for ``kvtier stats``, in the background."""
+        """SET ``{key_prefix}:manifest:{namespace hex}`` per namespace for ``kvtier stats``, in the background; a
+        private tier then lists only these namespaces' records (other ranks' and other models' are not its)."""
         from kvtier.tiers.redis.catalog import publish
 
+        self._own.update(bytes(d) for d in manifests)
         publish(self.name, self.endpoint, self.section, manifests)
 
     # -- helpers -----------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ miss, never wrong KV."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis
@@ -16,6 +17,8 @@ from redis_helpers import Make, fresh_prefix, started_tiers
 from kvtier import TieredStore, load_config
 from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import RedisTierConfig
+from kvtier.tiers.catalog import RecordInfo
+from kvtier.tiers.redis.catalog import scan_entries
 from kvtier.tiers.redis.tier import RedisTier
 
 
@@ -38,51 +41,92 @@ def exists_calls(raw: redis.Redis) -> int:
     return int(raw.info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
 
 
-async def test_a_private_tier_lists_what_the_server_holds_and_deletes_an_unreadable_record(
+async def test_a_private_tier_lists_what_the_server_holds_and_leaves_an_unreadable_record_out(
         make: Make, raw: redis.Redis) -> None:
     first = await make()
     values = {i: rand((2000 + 1000 * i,), seed=i) for i in range(3)}
     values[3] = rand((9 << 18,), seed=3)  # 9 MiB: stored in parts (kvtier.tiers.redis.bulk)
     assert all(await first.put([(k(i), t) for i, t in values.items()]))
-    raw.set(first.redis_key(k(9)), b"not a record")
+    raw.set(first.redis_key(k(9)), b"not a record")  # another deployment's, or a torn write: not kvtier's to delete
     await first.list_entries()
     assert first.is_shared and first.entries() == []
     second = await make(private=True)
     assert not second.is_shared and second.entries() == []  # listed only where a directory adopts them
     await second.list_entries()
     assert {e.key: e.size for e in second.entries()} == {k(i): second.stored_size(t.nbytes) for i, t in values.items()}
-    assert raw.exists(second.redis_key(k(9))) == 0
+    assert raw.get(second.redis_key(k(9))) == b"not a record"
 
 
-async def test_records_past_a_private_tiers_capacity_are_deleted_with_their_parts_when_listed(
+async def test_records_past_a_private_tiers_capacity_are_not_adopted_and_nothing_is_deleted(
         make: Make, raw: redis.Redis) -> None:
-    """The capacity was lowered since they were written: what does not fit is deleted, so that the server holds no
-    record kvtier does not track."""
+    """The capacity was lowered since they were written: what does not fit is left on the server, untracked (so
+    never read: the first that allkeys-lru evicts)."""
     big = rand((9 << 18,), seed=1)
     first = await make()
     assert await first.put([(k(1), big), (k(2), big)]) == [True, True]
-    assert len(list(raw.scan_iter(match=f"*{first.section.key_prefix}:*"))) > 2  # the heads and their parts
+    before = sorted(raw.scan_iter(match=f"*{first.section.key_prefix}:*"))
+    assert len(before) > 2  # the heads and their parts
     size = first.stored_size(big.nbytes)
     second = await make(private=True, capacity=size + size // 2)
     await second.list_entries()
     kept = second.entries()
-    assert len(kept) == 1 and kept[0].size == size
-    names = sorted(raw.scan_iter(match=f"*{first.section.key_prefix}:*"))
-    gone = k(2) if kept[0].key == k(1) else k(1)
-    assert not [n for n in names if first.redis_key(gone) in n]  # its head and every part
+    assert len(kept) == 1 and kept[0].size == size and kept[0].key in (k(1), k(2))
+    assert sorted(raw.scan_iter(match=f"*{first.section.key_prefix}:*")) == before
     assert second.used_bytes() == 0
 
 
-async def test_a_private_tier_lists_only_the_namespaces_it_was_given(make: Make) -> None:
-    """Each tensor-parallel rank stores its own shard under its own namespace: the scheduler's tier adopts rank 0's
-    (the namespaces it described), and leaves the others' records alone."""
-    other = b"namespace-Q-0000" + (1).to_bytes(16, "big")
+def q(i: int) -> bytes:
+    return b"namespace-Q-0000" + i.to_bytes(16, "big")
+
+
+@pytest.mark.parametrize(("described", "listed"), [
+    ([k(1)[:16]], [k(1)]),  # this process's namespace only: another rank's shards are not its
+    ([], []),  # described with none (weights not fingerprinted: it serves nothing)
+    (None, [k(1), q(1)]),  # never described: every namespace
+], ids=["its-own", "none", "never-described"])
+async def test_a_private_tier_lists_only_the_namespaces_it_was_described(
+        make: Make, described: list[bytes] | None, listed: list[bytes]) -> None:
     first = await make()
-    assert all(await first.put([(k(1), rand((500,))), (other, rand((500,)))]))
+    assert all(await first.put([(k(1), rand((500,))), (q(1), rand((500,)))]))
     second = await make(private=True)
-    second.describe({k(1)[:16]: {}})
+    if described is not None:
+        second.describe({ns: {} for ns in described})
     await second.list_entries()
-    assert [e.key for e in second.entries()] == [k(1)]
+    assert sorted(e.key for e in second.entries()) == sorted(listed)
+
+
+class _Source:
+    """A listing's source whose server fails halfway, after returning a key twice (SCAN may)."""
+
+    def __init__(self, records: list[RecordInfo]) -> None:
+        self._records, self.closed = records, False
+
+    def records(self) -> Iterator[RecordInfo]:
+        yield from self._records
+        raise ConnectionError("connection reset by peer")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_listing_that_fails_halfway_keeps_what_it_listed_each_key_once() -> None:
+    header = object()
+    sound = [RecordInfo(k(i), 100 + i, None, header=header) for i in range(2)]  # type: ignore[arg-type]
+    torn = RecordInfo(k(7), 5, None, error="bad header")
+    source = _Source([sound[0], sound[1], sound[0], torn])
+    listing = scan_entries(source, threading.Event())  # type: ignore[arg-type]
+    assert [(e.key, e.size) for e in listing.entries] == [(k(0), 100), (k(1), 101)]
+    assert listing.bad == [k(7)]
+    assert listing.error is not None and "connection reset" in listing.error
+    assert source.closed
+
+
+def test_a_listing_stops_when_its_tier_closes() -> None:
+    header = object()
+    stop = threading.Event()
+    stop.set()
+    listing = scan_entries(_Source([RecordInfo(k(0), 1, None, header=header)]), stop)  # type: ignore[arg-type]
+    assert listing.entries == [] and listing.error == "stopped"
 
 
 async def test_a_key_prefix_with_a_colon_is_listed(make: Make) -> None:
@@ -190,3 +234,17 @@ async def test_write_back_persists_memory_chunks_into_a_private_tier_and_a_resta
             assert_same(got, want)
     finally:
         await again.close()
+
+
+async def test_a_private_tier_started_again_after_close_lists_again(make: Make) -> None:
+    """close stops a listing still running; the next start must not inherit that stop, nor an answer from the
+    server its earlier start had."""
+    first = await make()
+    assert all(await first.put([(k(1), rand((500,)))]))
+    second = await make(private=True)
+    await second.close()
+    await second.list_entries()
+    assert second.entries() == []  # closed: the server's earlier answer does not count
+    await second.start()
+    await second.list_entries()
+    assert [e.key for e in second.entries()] == [k(1)]

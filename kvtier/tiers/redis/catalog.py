@@ -224,20 +224,24 @@ class Listing:
 
 
 def scan_entries(source: RedisSource, stop: threading.Event) -> Listing:
-    """Every record of a tier, listed in a worker thread (it blocks); ends early once ``stop`` is set or the server
-    fails (``Listing.error``), with what it had."""
+    """Every record of a tier, each key once, listed in a worker thread (it blocks); ends early once ``stop`` is
+    set or anything fails (``Listing.error``), with what it had."""
     out = Listing()
+    seen: set[bytes] = set()  # SCAN may return a key more than once
     try:
         for record in source.records():
             if stop.is_set():
                 out.error = "stopped"
                 break
+            if record.key in seen:
+                continue
+            seen.add(record.key)
             if record.error is None and record.header is not None:
                 out.entries.append(TierEntry(record.key, record.size))
             else:
                 out.bad.append(record.key)
-    except TierUnavailable as exc:
-        out.error = str(exc)
+    except Exception as exc:  # a listing is best effort: what it missed is a miss
+        out.error = f"{type(exc).__name__}: {exc}"
     finally:
         source.close()
     return out

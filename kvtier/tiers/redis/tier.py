@@ -98,9 +98,9 @@ class RedisTier(Tier):
         # private (no other engine uses it) and not expiring: the directory tracks it as it does a local tier
         self.is_shared = not section.private or self.expiring
         self._listed: list[TierEntry] = []  # what the server held at start (a private tier's list_entries)
-        self._own: set[bytes] = set()  # the namespaces this process serves (describe); none named: all
+        self._own: set[bytes] | None = None  # the namespaces this process serves (describe); None: never described
         self._answered = False  # the server answered at start
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # ends a listing still running when the tier closes
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -109,7 +109,8 @@ class RedisTier(Tier):
         from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
         self._client = self._make_client()
-        self._stop.clear()
+        self._stop = threading.Event()  # a new one: a listing left from an earlier start keeps the set one
+        self._answered = False
         try:
             async with asyncio.timeout(self.section.connect_timeout + self.section.timeout):
                 if self.endpoint.cluster:
@@ -131,10 +132,10 @@ class RedisTier(Tier):
         self._answered = True
 
     async def list_entries(self) -> None:
-        """A private tier whose server answered at start: list the records it holds (``entries``), for the
-        directory to adopt; records past ``capacity`` (of this process's namespaces) and unreadable ones are
-        deleted. A scan that fails keeps what it listed: the rest stays on the server, never read, the first
-        that ``allkeys-lru`` evicts."""
+        """A private tier whose server answered at start: list the records it holds, for the directory to adopt
+        (``entries``), up to ``capacity`` of this process's namespaces. The listing deletes nothing: a record
+        past the capacity, an unreadable one (another deployment's key, a torn write) and those a failed scan
+        did not reach stay on the server, never read, so the first that ``allkeys-lru`` evicts."""
         if self.is_shared or not self._answered:
             return
         log.info("redis tier %r: listing the records on %s", self.name, self.endpoint.url)
@@ -144,25 +145,21 @@ class RedisTier(Tier):
             log.warning("redis tier %r: listing the records on %s stopped (%s); those not listed are misses",
                         self.name, self.endpoint.url, listing.error)
         kept: list[TierEntry] = []
-        surplus: list[TierEntry] = []
         total = 0
         for entry in listing.entries:
-            fits = not self._mine(entry.key) or total + entry.size <= self.capacity_bytes
-            total += entry.size if self._mine(entry.key) and fits else 0
-            (kept if fits else surplus).append(entry)
+            if self._mine(entry.key):
+                if total + entry.size > self.capacity_bytes:
+                    continue
+                total += entry.size
+            kept.append(entry)
         self._listed = kept
-        await self._drop_listed(surplus, listing.bad)
-        log.info("redis tier %r: %d record(s) on %s (%.1f s); %d past its capacity and %d unreadable deleted",
-                 self.name, len(kept), self.endpoint.url, time.monotonic() - t0, len(surplus), len(listing.bad))
-
-    async def _drop_listed(self, surplus: list[TierEntry], bad: list[Key]) -> None:
-        for entry in surplus:
-            self._sizes[entry.key] = entry.size  # so that delete removes a large record's parts too
-            self._used += entry.size
-        await self.delete([e.key for e in surplus] + bad)
+        left = len(listing.entries) - len(kept)
+        log.info("redis tier %r: %d record(s) on %s (%.1f s); %d past its capacity and %d unreadable left to the "
+                 "server's eviction", self.name, len(kept), self.endpoint.url, time.monotonic() - t0, left,
+                 len(listing.bad))
 
     def _mine(self, key: Key) -> bool:
-        return not self._own or key[:16] in self._own
+        return self._own is None or key[:16] in self._own
 
     def entries(self) -> list[TierEntry]:
         """A private tier: the records of this process's namespaces the server held at start (``list_entries``);
@@ -175,7 +172,7 @@ class RedisTier(Tier):
 
     async def close(self) -> None:
         self._stop.set()  # a scan still running ends after its current batch
-        self._listed = []
+        self._listed, self._answered = [], False
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
@@ -268,7 +265,7 @@ class RedisTier(Tier):
         private tier then lists only these namespaces' records (other ranks' and other models' are not its)."""
         from kvtier.tiers.redis.catalog import publish
 
-        self._own.update(bytes(d) for d in manifests)
+        self._own = (self._own or set()) | {bytes(d) for d in manifests}
         publish(self.name, self.endpoint, self.section, manifests)
 
     # -- helpers -----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any, cast
 from kvtier.bench.belady import BeladyPolicy, belady_schedule
 from kvtier.bench.workloads import Workload
 from kvtier.config.tree import PolicyConfig
+from kvtier.connector.scheduler.admission import SaveAdmission, request_class
 from kvtier.control.directory import Directory, TierSlot
 from kvtier.control.metrics import snapshot
 from kvtier.control.policy import EvictionPolicy, make_policy
@@ -154,6 +155,112 @@ def ideal_stats(workload: Workload) -> ReplayStats:
         stats.total_tokens += req.input_len
         seen.update(req.chunks)
     return stats
+
+
+# ---- the engine's cache in front, and the save admission ---------------------------------------------
+
+
+@dataclass
+class AdmissionStats:
+    """One replay with vLLM's prefix cache in front of one kvtier tier: what each served, and what kvtier saved
+    (chunks written that the tier did not hold) to load what it loaded (chunks past the engine's hit)."""
+
+    admission: str
+    engine_chunks: int
+    tier_chunks: int
+    total_tokens: int = 0
+    engine_tokens: int = 0
+    kvtier_tokens: int = 0
+    saved_chunks: int = 0
+    loaded_chunks: int = 0
+    offered_chunks: int = 0
+    declined_chunks: int = 0
+
+    def row(self) -> dict[str, Any]:
+        """The JSON row: counts, and the rates as fractions of the input tokens."""
+        total = self.total_tokens or 1
+        return {**self.__dict__, "engine_hit_rate": self.engine_tokens / total,
+                "kvtier_hit_rate": self.kvtier_tokens / total,
+                "hit_rate": (self.engine_tokens + self.kvtier_tokens) / total,
+                "saved_per_loaded": self.saved_chunks / self.loaded_chunks if self.loaded_chunks else None}
+
+
+def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, admission: str,
+                     min_reuse: float = PolicyConfig.admission_min_reuse, loads: set[Hashable] | None = None,
+                     only: set[Hashable] | None = None) -> AdmissionStats:
+    """Replay ``workload`` through vLLM's prefix cache (an LRU of ``engine_chunks`` blocks, one per chunk) in front
+    of one kvtier tier of ``tier_chunks`` (the default policy), as the scheduler half plans (kvtier.connector.
+    scheduler.half): a hit stops a chunk short of the prompt's end; kvtier serves past the engine's hit; a request
+    offers the full chunks past its reach (the engine's hit and the admission's ghosts) and saves its prompt's full
+    chunks when ``admission`` is ``all``, or when ``learned`` admits its class; a declined request only touches
+    what it loaded. ``loads`` collects the chunks of every prefix kvtier served (its lookup holds them from the
+    first chunk on); with ``only`` a request saves only those chunks (``oracle``: the loads of an ``all`` replay,
+    known in advance)."""
+    engine = DirectoryStack([make_policy("lru", engine_chunks)], [engine_chunks])
+    tier = DirectoryStack([make_policy(DEFAULT_POLICY, tier_chunks)], [tier_chunks])
+    learned = SaveAdmission(tier_chunks, min_reuse) if admission == "learned" else None
+    stats = AdmissionStats(admission, engine_chunks, tier_chunks)
+    ct = workload.chunk_tokens
+    for req in workload.requests:
+        limit, full = min(len(req.chunks), (req.input_len - 1) // ct), min(len(req.chunks), req.input_len // ct)
+        keys = cast("list[Key]", list(req.chunks))
+        hit = len(engine.hit_tiers(keys[:limit]))
+        held = len(tier.hit_tiers(keys[:limit]))
+        stats.total_tokens += req.input_len
+        stats.engine_tokens += hit * ct
+        stats.loaded_chunks += max(0, held - hit)
+        stats.kvtier_tokens += max(0, held - hit) * ct
+        admitted = True
+        if learned is not None:
+            reach = hit + learned.asked(keys[hit:limit])
+            cls = request_class(reach, req.input_len // ct)
+            admitted = learned.admits(cls)
+            offered = keys[reach:full]
+            learned.offer(cls, offered)
+            stats.offered_chunks += len(offered)
+            stats.declined_chunks += 0 if admitted else len(offered)
+        if loads is not None and held > hit:
+            loads.update(keys[:held])
+        saves = keys[:full] if admitted else keys[:held] if held > hit else []
+        if only is not None:
+            saves = [k for k in saves if k in only]
+        stats.saved_chunks += sum(1 for k in saves if not tier.directory.contains(tier.names[0], k))
+        tier.access(saves)
+        engine.access(keys[:full])
+    return stats
+
+
+def admission_sweep(workload: Workload, engine_shares: Sequence[float], tier_factor: float) -> dict[str, Any]:
+    """Per engine memory share (of the unique chunks): the replay with every chunk saved, with the learned
+    admission, and with an oracle that saves only what the first replay loaded (the bound of any admission),
+    kvtier's tier ``tier_factor`` times the engine's memory; the result document."""
+    unique = workload.unique_chunks()
+    rows = []
+    for share in engine_shares:
+        engine = max(1, round(share * unique))
+        tier = max(1, round(tier_factor * engine))
+        loads: set[Hashable] = set()
+        every = replay_admission(workload, engine, tier, "all", loads=loads)
+        rows += [{"engine_share": share, **stats.row()} for stats in (
+            every, replay_admission(workload, engine, tier, "learned"),
+            replay_admission(workload, engine, tier, "oracle", only=loads))]
+    return {"workload": workload.name, "chunk_tokens": workload.chunk_tokens, "requests": len(workload.requests),
+            "unique_chunks": unique, "tier_factor": tier_factor, "admission": rows}
+
+
+def admission_table(doc: dict[str, Any]) -> str:
+    """A plain-text table of an admission sweep."""
+    lines = [f"{doc['workload']}: {doc['requests']} requests, {doc['unique_chunks']} unique chunks of "
+             f"{doc['chunk_tokens']} tokens; kvtier's tier {doc['tier_factor']:g}x the engine's memory",
+             f"{'engine':>7} {'admission':<9}{'hit %':>7}{'engine':>8}{'kvtier':>8}{'saved':>9}{'loaded':>9}"
+             f"{'saved/loaded':>13}{'declined':>10}"]
+    for r in doc["admission"]:
+        ratio = "-" if r["saved_per_loaded"] is None else f"{r['saved_per_loaded']:.1f}x"
+        declined = f"{r['declined_chunks'] / r['offered_chunks']:.0%}" if r["offered_chunks"] else "-"
+        lines.append(f"{r['engine_share']:>7.0%} {r['admission']:<9}{100 * r['hit_rate']:>7.1f}"
+                     f"{100 * r['engine_hit_rate']:>8.1f}{100 * r['kvtier_hit_rate']:>8.1f}{r['saved_chunks']:>9}"
+                     f"{r['loaded_chunks']:>9}{ratio:>13}{declined:>10}")
+    return "\n".join(lines)
 
 
 # ---- sweeps and report -------------------------------------------------------------------------------

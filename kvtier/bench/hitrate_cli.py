@@ -10,6 +10,14 @@ promoted chunks go to tier 0; a tier that is full asks its policy for a victim, 
 tier (exclusive tiers) or dropped from the last one. Token hit rate = sum of min(hit chunks x chunk tokens,
 input length) over the sum of input lengths.
 
+``--engine 10,25,40%``: vLLM's prefix cache in front instead (an LRU of that share of the unique chunks, one block a
+chunk), one kvtier tier behind it (``--tier-factor`` times the engine's memory, the default policy), and kvtier
+serving past the engine's hit, as its scheduler half plans: every chunk saved (``policy.admission: all``) against
+the learned save admission (the default), and against an oracle that saves only the chunks the first replay
+loaded (the bound of any admission). Per share: the hit rates, the chunks kvtier saved (written where the tier
+did not hold them) and loaded, their ratio, and the share of offered chunks the admission declined
+(``hit_rate_admission.json``, no chart).
+
 This module is the command line (its options, the workload and sweep they name, the chart, where the results
 go); the replay itself is :mod:`kvtier.bench.hitrate`.
 """
@@ -22,7 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import hitrate
-from kvtier.bench.hitrate import DEFAULT_POLICY, TRACE_SOURCE, SweepSpec, bars, sweep, table
+from kvtier.bench.hitrate import (
+    DEFAULT_POLICY,
+    TRACE_SOURCE,
+    SweepSpec,
+    admission_sweep,
+    admission_table,
+    bars,
+    sweep,
+    table,
+)
 from kvtier.bench.output import add_output_arguments, figure, save_results
 from kvtier.bench.workloads import GENERATORS, SUITES, Workload, load_mooncake, parse_capacities, suite_workloads
 from kvtier.config.parse import parse_size, refuse_bare_size
@@ -56,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", action="append", default=[], metavar="CAPS",
                         help="a multi-tier set-up, fastest first, e.g. 5%%,10%% (repeatable)")
     parser.add_argument("--no-belady", action="store_true", help="skip Belady's offline optimum")
+    parser.add_argument("--engine", metavar="SHARES",
+                        help="instead of the policy sweep: vLLM's prefix cache (an LRU of SHARES of the unique "
+                             "chunks, e.g. 10,25,40%%) in front of one kvtier tier, every chunk saved against the "
+                             "learned save admission and an oracle: hits, chunks saved and loaded (results "
+                             "hit_rate_admission)")
+    parser.add_argument("--tier-factor", type=float, default=4.0,
+                        help="with --engine: kvtier's tier, in multiples of the engine's memory (default 4)")
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--quick", action="store_true",
@@ -127,6 +151,17 @@ def spec_from(args: argparse.Namespace, workload: Workload) -> SweepSpec:
     return SweepSpec(policies, tuple(caps), tiers, belady=not args.no_belady)
 
 
+def _shares(spec: str) -> list[float]:
+    """--engine's shares of the unique chunks, as fractions: '10,25,40%'."""
+    try:
+        shares = [float(x.strip().rstrip("%")) / 100 for x in spec.split(",") if x.strip()]
+    except ValueError:
+        shares = []
+    if not shares or not all(0 < x <= 1 for x in shares):
+        raise ConfigError("--engine", f"bad shares {spec!r}", "give percentages over 0 and at most 100: 10,25,40%")
+    return shares
+
+
 def suite_document(args: argparse.Namespace) -> dict[str, Any]:
     """Sweep every workload of ``--suite``; print their tables and how often the default policy meets its bar."""
     workloads = [w.head(_limit(args)) for w in suite_workloads(args.suite, hitrate.DEFAULT_TRACE)]
@@ -141,6 +176,12 @@ def suite_document(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Replay, print the table, write the JSON (always) and the chart (unless --no-plot), print their paths."""
+    if getattr(args, "engine", None):
+        workload = load_workload(args)
+        doc = admission_sweep(workload, _shares(args.engine), args.tier_factor)
+        print(admission_table(doc))
+        save_results(args, "hit_rate_admission", doc)
+        return 0
     if getattr(args, "suite", None):
         doc = suite_document(args)
     else:

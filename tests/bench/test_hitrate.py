@@ -110,6 +110,57 @@ def test_prefix_hd_beats_every_other_policy_on_conversations() -> None:
 # ---- workloads ------------------------------------------------------------------------------------------
 
 
+# ---- the engine's cache in front, and the save admission ---------------------------------------------------
+
+
+def test_the_engine_in_front_serves_first_and_kvtier_what_it_evicted() -> None:
+    """Engine 2 blocks, tier 8: prompt A (3 full chunks) is computed and saved; B pushes A out of the engine; A again
+    hits its first 2 chunks (the last full chunk ends at the prompt's last token: never a hit) in kvtier."""
+    a, b = ((1, 2, 3), 30), ((4, 5, 6), 30)
+    stats = hitrate.replay_admission(wl(a, b, a), 2, 8, "all")
+    assert (stats.engine_tokens, stats.kvtier_tokens, stats.loaded_chunks) == (0, 20, 2)
+    assert stats.saved_chunks == 6  # A's and B's chunks once each: what the tier already holds is not saved again
+    again = hitrate.replay_admission(wl(a, a), 3, 8, "all")  # the engine holds all of A
+    assert (again.engine_tokens, again.kvtier_tokens, again.saved_chunks) == (20, 0, 3)
+
+
+def test_the_learned_admission_declines_what_is_never_asked_for_again() -> None:
+    """Prompts that are never reused: once a class has its warm-up of offers judged, nothing more is saved. Prompts
+    each asked for again after the engine evicted them keep being saved (they pay): every reuse hits, and only the
+    second asks' own tails (never reused: a class of their own) are declined."""
+    from kvtier.connector.scheduler.admission import WARMUP
+
+    fresh = wl(*[((3 * i, 3 * i + 1, 3 * i + 2), 30) for i in range(8 * WARMUP)])
+    # before any reuse a class is judged on the offers of a window (the tier's chunks) that ended a window ago
+    all_saved = hitrate.replay_admission(fresh, 4, 8 * WARMUP, "all")
+    learned = hitrate.replay_admission(fresh, 4, 8 * WARMUP, "learned")
+    assert all_saved.saved_chunks == 3 * 8 * WARMUP and all_saved.loaded_chunks == 0
+    assert learned.declined_chunks > 0 and learned.saved_chunks == all_saved.saved_chunks - learned.declined_chunks
+    assert learned.saved_chunks < all_saved.saved_chunks / 2
+    reused = wl(*[((3 * (i // 2), 3 * (i // 2) + 1, 3 * (i // 2) + 2, 10**6 + i), 40) for i in range(4 * WARMUP)])
+    kept = hitrate.replay_admission(reused, 1, 4096, "learned")
+    assert kept.loaded_chunks == 3 * 2 * WARMUP and kept.declined_chunks <= 2 * WARMUP
+
+
+def test_cli_engine_shares_compare_the_admission_on_and_off(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "adm.json"
+    assert main(["bench", "hit-rate", "--workload", "agentic", "--limit", "200", "--engine", "10,40%",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "hit_rate_admission" and doc["tier_factor"] == 4.0
+    assert [(r["engine_share"], r["admission"]) for r in doc["admission"]] == [
+        (0.1, "all"), (0.1, "learned"), (0.1, "oracle"), (0.4, "all"), (0.4, "learned"), (0.4, "oracle")]
+    for row in doc["admission"]:
+        assert row["hit_rate"] == pytest.approx(row["engine_hit_rate"] + row["kvtier_hit_rate"])
+        assert row["kvtier_hit_rate"] * row["total_tokens"] == row["loaded_chunks"] * doc["chunk_tokens"]
+    every, oracle = doc["admission"][0], doc["admission"][2]
+    assert every["loaded_chunks"] > 0 and oracle["loaded_chunks"] >= every["loaded_chunks"]  # what pays, kept
+    assert oracle["saved_chunks"] < every["saved_chunks"]
+    assert "saved/loaded" in capsys.readouterr().out
+    assert main(["bench", "hit-rate", "--workload", "agentic", "--engine", "0,120%"]) == 2
+    assert "--engine" in capsys.readouterr().err
+
+
 def test_generators_are_seeded_and_share_prefixes() -> None:
     assert multi_round_qa(seed=3) == multi_round_qa(seed=3)
     assert multi_round_qa(seed=3) != multi_round_qa(seed=4)

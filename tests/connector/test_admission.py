@@ -60,6 +60,29 @@ def test_a_class_is_judged_on_a_window_old_enough_for_its_reuses_to_have_come(
     assert gate.asked([KEYS[13], KEYS[0], KEYS[12]]) == 1  # a run from the hit point; KEYS[0] is forgotten
 
 
+def test_before_a_lag_and_a_window_have_passed_offers_and_reuses_are_counted_over_spans_as_long(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two classes alternate. Class 1's chunks are each asked for again 40 offers later (the lag becomes the whole
+    window); one chunk of class 0 in 8 is asked for again 4 offers later, under its min_reuse of 1 in 4. After 96
+    offers the offers a lag old span 32: against all of a window's reuses (those of the later offers too) class 0
+    would look reused 1 in 4 and stay saved; over spans as long it is 1 in 8 and declined."""
+    monkeypatch.setattr(admission, "WARMUP", 4)
+    gate = SaveAdmission(ghosts=64, min_reuse=0.25)
+
+    def key(cls: int, i: int) -> Key:
+        return Key(bytes([cls]) + i.to_bytes(4, "big") * 7 + b"abc")
+
+    for t in range(96):
+        gate.offer(t % 2, [key(t % 2, t)])
+        if t % 2 == 1 and t >= 41:
+            assert gate.asked([key(1, t - 40)]) == 1
+        if t % 16 == 0 and t >= 4:
+            assert gate.asked([key(0, t - 4)]) == 1
+    assert gate.lag() == 64
+    assert gate.matched(0) == (16, 2) and not gate.admits(0)
+    assert gate.matched(1) == (16, 17) and gate.admits(1)
+
+
 def test_ghosts_and_marks_stay_bounded() -> None:
     gate = SaveAdmission(ghosts=64, min_reuse=0.1)
     for i in range(100):

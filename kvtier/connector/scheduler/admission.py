@@ -14,7 +14,8 @@ again slows the requests it does not help (the copies out of the engine's blocks
   saved. So a class that is not saved still learns what saving it would give.
 * **The decision.** A class is saved while its reuses reach ``min_reuse`` per offer. A reuse comes long after its
   offer (a conversation's next turn), so the reuses of the last window (as many offers as the ghosts hold) are
-  compared with the offers of one window that ended that long ago: most of their reuses have been seen. That lag
+  compared with the offers of one window that ended that long ago: most of their reuses have been seen (while
+  fewer offers than a lag and a window have been made, both spans are the offers made before the lag). That lag
   is the age (in offers) within which four in five reuses came, counted with a half-life of one window so that it
   follows a workload whose reuses come sooner or later than before; before any reuse it is the whole window. A class
   with fewer than ``WARMUP`` offers in that matched window is saved, so a new workload starts saving and a reuse
@@ -72,10 +73,13 @@ class SaveAdmission:
         return offered < WARMUP or reused >= self.min_reuse * offered
 
     def matched(self, cls: int) -> tuple[int, int]:
-        """Offers of ``cls`` in the window that ended a lag ago, and its reuses in the last window."""
+        """Offers of ``cls`` in the window that ended a lag ago, and its reuses in the last window. Until a lag and
+        a window of offers have passed, both spans are as long as the offers made before the lag: a shorter span
+        of offers against a whole window of reuses (those of later offers too) would overstate the reuse."""
         now, lag = self._offered, self.lag()
-        offered = self._at(now - lag)[0][cls] - self._at(now - lag - self.window)[0][cls]
-        reused = self.reuses[cls] - self._at(now - self.window)[1][cls]
+        span = max(0, min(self.window, now - lag))
+        offered = self._at(now - lag)[0][cls] - self._at(now - lag - span)[0][cls]
+        reused = self.reuses[cls] - self._at(now - span)[1][cls]
         return offered, reused
 
     def lag(self) -> int:

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from kvtier.bench.belady import BeladyPolicy, belady_schedule
 from kvtier.bench.workloads import Workload
 from kvtier.config.tree import PolicyConfig
-from kvtier.connector.scheduler.admission import SaveAdmission, request_class
+from kvtier.connector.scheduler.admission import SIZE_BUCKETS, SaveAdmission, request_class
+from kvtier.connector.scheduler.hits import hit_limit
 from kvtier.control.directory import Directory, TierSlot
 from kvtier.control.metrics import snapshot
 from kvtier.control.policy import EvictionPolicy, make_policy
@@ -41,6 +42,19 @@ class DirectoryStack:
             if self.directory.contains(name, key):
                 return name
         return None
+
+    def store_missing(self, chunks: Sequence[Hashable]) -> int:
+        """Store in tier 0 the chunks no tier holds, in prefix order, touching none (the scheduler half's save
+        plans skip what a tier holds); how many were stored."""
+        directory, top, chain = self.directory, self.names[0], self.names[1:]
+        stored, parent = 0, None
+        for key in cast("list[Key]", chunks):
+            if self._tier_of(key) is None:
+                for plan in directory.prepare_store(top, [(key, 1, parent)], demote_chain=chain):
+                    directory.complete_store(plan.tier, plan.store, True)
+                stored += 1
+            parent = key
+        return stored
 
     def access(self, chunks: Sequence[Hashable]) -> None:
         """Insert or touch every chunk in prefix order; a hit below tier 0 is promoted to tier 0."""
@@ -160,12 +174,16 @@ def ideal_stats(workload: Workload) -> ReplayStats:
 # ---- the engine's cache in front, and the save admission ---------------------------------------------
 
 
+Admission = Literal["all", "learned", "oracle"]
+
+
 @dataclass
 class AdmissionStats:
     """One replay with vLLM's prefix cache in front of one kvtier tier: what each served, and what kvtier saved
-    (chunks written that the tier did not hold) to load what it loaded (chunks past the engine's hit)."""
+    (chunks written that the tier did not hold) to load what it loaded (chunks past the engine's hit). A learned
+    replay also keeps the admission's lag at the end and its classes with at least 1% of the offers."""
 
-    admission: str
+    admission: Admission
     engine_chunks: int
     tier_chunks: int
     total_tokens: int = 0
@@ -175,6 +193,8 @@ class AdmissionStats:
     loaded_chunks: int = 0
     offered_chunks: int = 0
     declined_chunks: int = 0
+    lag: int | None = None
+    classes: list[dict[str, Any]] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
         """The JSON row: counts, and the rates as fractions of the input tokens."""
@@ -184,49 +204,60 @@ class AdmissionStats:
                 "hit_rate": (self.engine_tokens + self.kvtier_tokens) / total,
                 "saved_per_loaded": self.saved_chunks / self.loaded_chunks if self.loaded_chunks else None}
 
+    def judged(self, gate: SaveAdmission) -> None:
+        """Keep ``gate``'s lag and its large classes: offers and reuses in all, as matched now, and the decision."""
+        self.lag = gate.lag()
+        for cls, offers in enumerate(gate.offers):
+            if offers and offers >= self.offered_chunks / 100:
+                self.classes.append({"depth_bucket": cls // SIZE_BUCKETS, "size_bucket": cls % SIZE_BUCKETS,
+                                     "offers": offers, "reuses": gate.reuses[cls], "matched": list(gate.matched(cls)),
+                                     "admitted": gate.admits(cls)})
 
-def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, admission: str,
+
+def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, admission: Admission,
                      min_reuse: float = PolicyConfig.admission_min_reuse, loads: set[Hashable] | None = None,
                      only: set[Hashable] | None = None) -> AdmissionStats:
-    """Replay ``workload`` through vLLM's prefix cache (an LRU of ``engine_chunks`` blocks, one per chunk) in front
-    of one kvtier tier of ``tier_chunks`` (the default policy), as the scheduler half plans (kvtier.connector.
-    scheduler.half): a hit stops a chunk short of the prompt's end; kvtier serves past the engine's hit; a request
-    offers the full chunks past its reach (the engine's hit and the admission's ghosts) and saves its prompt's full
-    chunks when ``admission`` is ``all``, or when ``learned`` admits its class; a declined request only touches
-    what it loaded. ``loads`` collects the chunks of every prefix kvtier served (its lookup holds them from the
-    first chunk on); with ``only`` a request saves only those chunks (``oracle``: the loads of an ``all`` replay,
-    known in advance)."""
+    """Replay ``workload`` through vLLM's prefix cache (an LRU of ``engine_chunks`` blocks, one per chunk, a request's
+    freed tail first) in front of one kvtier tier of ``tier_chunks`` (the default policy), as the scheduler half
+    plans (kvtier.connector.scheduler.half): a hit stops a chunk short of the prompt's end; kvtier serves past the
+    engine's hit and refreshes what it loads; a request offers the full chunks past its reach (the engine's hit and
+    the admission's ghosts) and stores those of its prompt's full chunks the tier lacks when ``admission`` is
+    ``all``, or when ``learned`` admits its class; a declined request stores nothing. ``loads`` collects the chunks
+    of every prefix kvtier served (its lookup holds them from the first chunk on); with ``only`` (``oracle``: the
+    loads of an ``all`` replay, known in advance) a request stores only those."""
+    if (admission == "oracle") != (only is not None):
+        raise ValueError("the oracle, and only the oracle, saves only the chunks it is given")
     engine = DirectoryStack([make_policy("lru", engine_chunks)], [engine_chunks])
     tier = DirectoryStack([make_policy(DEFAULT_POLICY, tier_chunks)], [tier_chunks])
     learned = SaveAdmission(tier_chunks, min_reuse) if admission == "learned" else None
     stats = AdmissionStats(admission, engine_chunks, tier_chunks)
     ct = workload.chunk_tokens
     for req in workload.requests:
-        limit, full = min(len(req.chunks), (req.input_len - 1) // ct), min(len(req.chunks), req.input_len // ct)
+        limit, full = min(len(req.chunks), hit_limit(req.input_len, ct)), min(len(req.chunks), req.input_len // ct)
         keys = cast("list[Key]", list(req.chunks))
         hit = len(engine.hit_tiers(keys[:limit]))
         held = len(tier.hit_tiers(keys[:limit]))
         stats.total_tokens += req.input_len
         stats.engine_tokens += hit * ct
-        stats.loaded_chunks += max(0, held - hit)
-        stats.kvtier_tokens += max(0, held - hit) * ct
+        if held > hit:
+            stats.loaded_chunks += held - hit
+            stats.kvtier_tokens += (held - hit) * ct
+            tier.directory.touch(tier.names[0], keys[hit:held])  # the load's hold
+            if loads is not None:
+                loads.update(keys[:held])
         admitted = True
         if learned is not None:
             reach = hit + learned.asked(keys[hit:limit])
             cls = request_class(reach, req.input_len // ct)
             admitted = learned.admits(cls)
-            offered = keys[reach:full]
-            learned.offer(cls, offered)
-            stats.offered_chunks += len(offered)
-            stats.declined_chunks += 0 if admitted else len(offered)
-        if loads is not None and held > hit:
-            loads.update(keys[:held])
-        saves = keys[:full] if admitted else keys[:held] if held > hit else []
-        if only is not None:
-            saves = [k for k in saves if k in only]
-        stats.saved_chunks += sum(1 for k in saves if not tier.directory.contains(tier.names[0], k))
-        tier.access(saves)
-        engine.access(keys[:full])
+            learned.offer(cls, keys[reach:full])
+            stats.offered_chunks += len(keys[reach:full])
+            stats.declined_chunks += 0 if admitted else len(keys[reach:full])
+        saves = keys[:full] if admitted else []
+        stats.saved_chunks += tier.store_missing([k for k in saves if only is None or k in only])
+        engine.access(keys[full - 1::-1] if full else [])
+    if learned is not None:
+        stats.judged(learned)
     return stats
 
 

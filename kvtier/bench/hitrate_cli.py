@@ -177,8 +177,14 @@ def suite_document(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Replay, print the table, write the JSON (always) and the chart (unless --no-plot), print their paths."""
     if getattr(args, "engine", None):
+        if getattr(args, "suite", None):
+            raise ConfigError("--engine", "replays one workload, not a suite", "give --trace or --workload instead")
+        shares = _shares(args.engine)
+        if not 0 < args.tier_factor < float("inf"):
+            raise ConfigError("--tier-factor", f"{args.tier_factor} is not a positive number",
+                              "give kvtier's tier in multiples of the engine's memory, e.g. 4")
         workload = load_workload(args)
-        doc = admission_sweep(workload, _shares(args.engine), args.tier_factor)
+        doc = admission_sweep(workload, shares, args.tier_factor)
         print(admission_table(doc))
         save_results(args, "hit_rate_admission", doc)
         return 0

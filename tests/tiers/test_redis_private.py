@@ -5,9 +5,11 @@ miss, never wrong KV."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -18,6 +20,7 @@ from kvtier import TieredStore, load_config
 from kvtier.bench.redis_servers import RedisServer
 from kvtier.config import RedisTierConfig
 from kvtier.tiers.catalog import RecordInfo
+from kvtier.tiers.redis import tier as tier_module
 from kvtier.tiers.redis.catalog import scan_entries
 from kvtier.tiers.redis.tier import RedisTier
 
@@ -247,4 +250,34 @@ async def test_a_private_tier_started_again_after_close_lists_again(make: Make) 
     assert second.entries() == []  # closed: the server's earlier answer does not count
     await second.start()
     await second.list_entries()
+    assert [e.key for e in second.entries()] == [k(1)]
+
+
+async def test_a_listing_the_tier_closed_meanwhile_keeps_nothing(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = await make()
+    assert all(await first.put([(k(1), rand((500,)))]))
+    second = await make(private=True)
+    scan = tier_module.scan_entries
+
+    def slow_scan(source: Any, stop: threading.Event) -> Any:
+        stop.wait(5.0)  # the tier is closed while its listing runs
+        return scan(source, threading.Event())  # a scan that would list everything
+
+    monkeypatch.setattr(tier_module, "scan_entries", slow_scan)
+    listing = asyncio.create_task(second.list_entries())
+    await asyncio.sleep(0.05)
+    await second.close()
+    await listing
+    assert second.entries() == []
+
+
+async def test_the_capacity_is_counted_over_the_namespaces_described_after_the_listing(make: Make) -> None:
+    """A one-process store lists its tiers before the connector describes them: the capacity then bounds this
+    engine's own records, whatever else the server listed first."""
+    first = await make()
+    mine, others = rand((500,), seed=1), [(q(i), rand((500,), seed=i)) for i in range(6)]
+    assert all(await first.put([(k(1), mine), *others]))
+    second = await make(private=True, capacity=first.stored_size(mine.nbytes))
+    await second.list_entries()
+    second.describe({k(1)[:16]: {}})
     assert [e.key for e in second.entries()] == [k(1)]

@@ -133,38 +133,38 @@ class RedisTier(Tier):
 
     async def list_entries(self) -> None:
         """A private tier whose server answered at start: list the records it holds, for the directory to adopt
-        (``entries``), up to ``capacity`` of this process's namespaces. The listing deletes nothing: a record
-        past the capacity, an unreadable one (another deployment's key, a torn write) and those a failed scan
-        did not reach stay on the server, never read, so the first that ``allkeys-lru`` evicts."""
+        (``entries``: this process's namespaces, up to ``capacity``). The listing deletes nothing: a record past
+        the capacity, an unreadable one (another deployment's key, a torn write) and those a failed scan did not
+        reach stay on the server, never read, so the first that ``allkeys-lru`` evicts. A listing the tier's
+        ``close`` stopped keeps nothing."""
         if self.is_shared or not self._answered:
             return
         log.info("redis tier %r: listing the records on %s", self.name, self.endpoint.url)
-        t0 = time.monotonic()
-        listing = await asyncio.to_thread(scan_entries, RedisSource(self.section, self._env), self._stop)
+        t0, stop = time.monotonic(), self._stop
+        listing = await asyncio.to_thread(scan_entries, RedisSource(self.section, self._env), stop)
+        if stop.is_set():  # closed meanwhile (and maybe started again, with a listing of its own)
+            return
         if listing.error:
             log.warning("redis tier %r: listing the records on %s stopped (%s); those not listed are misses",
                         self.name, self.endpoint.url, listing.error)
-        kept: list[TierEntry] = []
-        total = 0
-        for entry in listing.entries:
-            if self._mine(entry.key):
-                if total + entry.size > self.capacity_bytes:
-                    continue
-                total += entry.size
-            kept.append(entry)
-        self._listed = kept
-        left = len(listing.entries) - len(kept)
-        log.info("redis tier %r: %d record(s) on %s (%.1f s); %d past its capacity and %d unreadable left to the "
-                 "server's eviction", self.name, len(kept), self.endpoint.url, time.monotonic() - t0, left,
-                 len(listing.bad))
+        self._listed = listing.entries
+        log.info("redis tier %r: %d record(s) on %s (%.1f s), %d of them this engine's within its capacity; %d "
+                 "unreadable left to the server's eviction", self.name, len(listing.entries), self.endpoint.url,
+                 time.monotonic() - t0, len(self.entries()), len(listing.bad))
 
     def _mine(self, key: Key) -> bool:
         return self._own is None or key[:16] in self._own
 
     def entries(self) -> list[TierEntry]:
-        """A private tier: the records of this process's namespaces the server held at start (``list_entries``);
-        a shared tier lists none."""
-        return [e for e in self._listed if self._mine(e.key)]
+        """A private tier: the records of this process's namespaces (all until ``describe`` names them) the server
+        held at start (``list_entries``), in the order listed, up to ``capacity``; a shared tier lists none."""
+        kept: list[TierEntry] = []
+        total = 0
+        for entry in self._listed:
+            if self._mine(entry.key) and total + entry.size <= self.capacity_bytes:
+                kept.append(entry)
+                total += entry.size
+        return kept
 
     def _make_client(self) -> Any:
         """redis.asyncio's client; no retries: the breaker, not redis-py, decides when to try again."""

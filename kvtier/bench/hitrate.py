@@ -43,16 +43,15 @@ class DirectoryStack:
                 return name
         return None
 
-    def store_missing(self, chunks: Sequence[Hashable]) -> int:
-        """Store in tier 0 the chunks no tier holds, in prefix order, touching none (the scheduler half's save
-        plans skip what a tier holds); how many were stored."""
+    def store(self, chunks: Sequence[Hashable]) -> int:
+        """Save ``chunks`` into tier 0 in prefix order as the scheduler half's save plans do (the directory skips
+        and refreshes what the tier holds); how many it did not hold."""
         directory, top, chain = self.directory, self.names[0], self.names[1:]
         stored, parent = 0, None
         for key in cast("list[Key]", chunks):
-            if self._tier_of(key) is None:
-                for plan in directory.prepare_store(top, [(key, 1, parent)], demote_chain=chain):
-                    directory.complete_store(plan.tier, plan.store, True)
-                stored += 1
+            stored += not directory.contains(top, key)
+            for plan in directory.prepare_store(top, [(key, 1, parent)], demote_chain=chain):
+                directory.complete_store(plan.tier, plan.store, True)
             parent = key
         return stored
 
@@ -221,8 +220,9 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
     freed tail first) in front of one kvtier tier of ``tier_chunks`` (the default policy), as the scheduler half
     plans (kvtier.connector.scheduler.half): a hit stops a chunk short of the prompt's end; kvtier serves past the
     engine's hit and refreshes what it loads; a request offers the full chunks past its reach (the engine's hit and
-    the admission's ghosts) and stores those of its prompt's full chunks the tier lacks when ``admission`` is
-    ``all``, or when ``learned`` admits its class; a declined request stores nothing. ``loads`` collects the chunks
+    the admission's ghosts) and saves its prompt's full chunks when ``admission`` is ``all``, or when ``learned``
+    admits its class (what the tier holds is refreshed, not written); a declined request saves what it loaded
+    (refreshing it). ``loads`` collects the chunks
     of every prefix kvtier served (its lookup holds them from the first chunk on); with ``only`` (``oracle``: the
     loads of an ``all`` replay, known in advance) a request stores only those."""
     if (admission == "oracle") != (only is not None):
@@ -253,8 +253,8 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
             learned.offer(cls, keys[reach:full])
             stats.offered_chunks += len(keys[reach:full])
             stats.declined_chunks += 0 if admitted else len(keys[reach:full])
-        saves = keys[:full] if admitted else []
-        stats.saved_chunks += tier.store_missing([k for k in saves if only is None or k in only])
+        saves = keys[:full] if admitted else keys[:held] if held > hit else []
+        stats.saved_chunks += tier.store([k for k in saves if only is None or k in only])
         engine.access(keys[full - 1::-1] if full else [])
     if learned is not None:
         stats.judged(learned)

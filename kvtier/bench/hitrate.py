@@ -43,15 +43,16 @@ class DirectoryStack:
                 return name
         return None
 
-    def store(self, chunks: Sequence[Hashable]) -> int:
-        """Save ``chunks`` into tier 0 in prefix order as the scheduler half's save plans do (the directory skips
-        and refreshes what the tier holds); how many it did not hold."""
+    def store_missing(self, chunks: Sequence[Hashable]) -> int:
+        """Store in tier 0 the chunks no tier holds, in prefix order, touching none (the scheduler half's save
+        plans skip what a tier holds); how many were stored."""
         directory, top, chain = self.directory, self.names[0], self.names[1:]
         stored, parent = 0, None
         for key in cast("list[Key]", chunks):
-            stored += not directory.contains(top, key)
-            for plan in directory.prepare_store(top, [(key, 1, parent)], demote_chain=chain):
-                directory.complete_store(plan.tier, plan.store, True)
+            if self._tier_of(key) is None:
+                for plan in directory.prepare_store(top, [(key, 1, parent)], demote_chain=chain):
+                    directory.complete_store(plan.tier, plan.store, True)
+                stored += 1
             parent = key
         return stored
 
@@ -218,13 +219,12 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
                      only: set[Hashable] | None = None) -> AdmissionStats:
     """Replay ``workload`` through vLLM's prefix cache (an LRU of ``engine_chunks`` blocks, one per chunk, a request's
     freed tail first) in front of one kvtier tier of ``tier_chunks`` (the default policy), as the scheduler half
-    plans (kvtier.connector.scheduler.half): a hit stops a chunk short of the prompt's end; kvtier serves past the
-    engine's hit and refreshes what it loads; a request offers the full chunks past its reach (the engine's hit and
-    the admission's ghosts) and saves its prompt's full chunks when ``admission`` is ``all``, or when ``learned``
-    admits its class (what the tier holds is refreshed, not written); a declined request saves what it loaded
-    (refreshing it). ``loads`` collects the chunks
-    of every prefix kvtier served (its lookup holds them from the first chunk on); with ``only`` (``oracle``: the
-    loads of an ``all`` replay, known in advance) a request stores only those."""
+    plans (kvtier.connector.scheduler.half): a hit stops a chunk short of the prompt's end; kvtier refreshes its
+    copies of the engine's hit, serves past it and refreshes what it loads; a request offers the full chunks past
+    its reach (the engine's hit and the admission's ghosts) and stores those of its prompt's full chunks the tier
+    lacks when ``admission`` is ``all``, or when ``learned`` admits its class; a declined request stores nothing.
+    ``loads`` collects the chunks of every prefix kvtier served (its lookup holds them from the first chunk on);
+    with ``only`` (``oracle``: the loads of an ``all`` replay, known in advance) a request stores only those."""
     if (admission == "oracle") != (only is not None):
         raise ValueError("the oracle, and only the oracle, saves only the chunks it is given")
     engine = DirectoryStack([make_policy("lru", engine_chunks)], [engine_chunks])
@@ -239,6 +239,7 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
         held = len(tier.hit_tiers(keys[:limit]))
         stats.total_tokens += req.input_len
         stats.engine_tokens += hit * ct
+        tier.directory.touch(tier.names[0], keys[:hit])  # the engine's own hit: kvtier's copies are in use
         if held > hit:
             stats.loaded_chunks += held - hit
             stats.kvtier_tokens += (held - hit) * ct
@@ -253,8 +254,8 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
             learned.offer(cls, keys[reach:full])
             stats.offered_chunks += len(keys[reach:full])
             stats.declined_chunks += 0 if admitted else len(keys[reach:full])
-        saves = keys[:full] if admitted else keys[:held] if held > hit else []
-        stats.saved_chunks += tier.store([k for k in saves if only is None or k in only])
+        saves = keys[:full] if admitted else []  # a declined request's plans cover only what it loaded: held
+        stats.saved_chunks += tier.store_missing([k for k in saves if only is None or k in only])
         engine.access(keys[full - 1::-1] if full else [])
     if learned is not None:
         stats.judged(learned)

@@ -287,10 +287,7 @@ class Directory:
         """Reserve space in ``tier`` for the keys it lacks; return plans in execution order.
 
         With a ``demote_chain`` (write-back), victims are moved to the next tier of the chain instead of
-        dropped, recursively. Keys already present or pending are skipped, and a present one refreshes the tier's
-        policy as a hit does (a request that computed or loaded it uses it; the lookups that count as hits see only
-        what lies past the engine's own cache, so a prefix the engine serves would otherwise age here while in use);
-        keys that cannot fit are left out.
+        dropped, recursively. Keys already present or pending are skipped; keys that cannot fit are left out.
         """
         with self._lock:
             return self._prepare(tier, [(k, s, p, None) for k, s, p in entries], list(demote_chain))
@@ -303,9 +300,7 @@ class Directory:
         stored: list[tuple[Key, str | None]] = []
         evicted: list[tuple[Key, int, Key | None]] = []
         for key, size, parent, source in entries:
-            if key in index.entries:  # saved again: a chunk in use (kvtier's lookups skip the engine's own hit)
-                if index.ready(key):
-                    index.feed(PolicyCall.TOUCH, key)
+            if key in index.entries:
                 continue
             if size > index.slot.capacity_bytes or not self._make_room(index, size, evicted):
                 self.stats.refused += 1

@@ -49,6 +49,23 @@ def test_hybrid_hit_is_the_largest_point_every_group_accepts(harness: Build) -> 
     assert h.conn.get_num_new_matched_tokens(Request("b", TOKENS), 0) == (2 * C, True)
 
 
+def test_a_prefix_the_engine_serves_is_refreshed_in_kvtiers_tiers_once_per_request(harness: Build) -> None:
+    """kvtier's lookup asks only past the engine's own hit, and its saves skip what a tier holds: without a refresh, a
+    prefix the engine keeps serving would be kvtier's oldest record, the first evicted (lru here), and gone with the
+    rest of its chain by the time the engine drops it."""
+    h = harness(KVCacheConfig((FULL,)))
+    other = [500 + t for t in range(2 * C)]
+    h.place(TOKENS, 0, [0, 1])  # the prompt's first two chunks, stored first
+    h.place(other, 0, [0, 1])  # then another prompt's
+    directory = h.store.directory
+    assert h.conn.get_num_new_matched_tokens(Request("r", TOKENS), 2 * C) == (0, False)  # the engine hit both
+    h.place(other, 0, [0, 1])  # held: stored again, not refreshed (a save plan skips it)
+    h.conn.get_num_new_matched_tokens(Request("r", TOKENS), 2 * C)  # the same request asking again: no refresh
+    room = h.cfg.tier("cpu").capacity - directory.used_bytes("cpu") + 1
+    plans = directory.prepare_store("cpu", [(b"k" * 32, room, None)])
+    assert [plans[-1].evicted] == [tuple(h.keys(other)[0][:1])]  # the least recently used is the other prompt's
+
+
 def test_never_the_whole_prompt_and_beyond_local_hits(harness: Build) -> None:
     h = harness(KVCacheConfig((FULL,)))
     tokens = TOKENS[:32]  # exactly 4 chunks

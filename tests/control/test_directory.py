@@ -49,17 +49,6 @@ def test_failed_store_is_forgotten_and_space_freed() -> None:
     assert d.used_bytes("t0") == 40
 
 
-def test_a_chunk_saved_again_is_not_written_again_but_refreshed_as_a_hit_is() -> None:
-    """A request saves the chunks of its prefix that vLLM's own cache served (kvtier's lookups never see those): the
-    directory skips what the tier holds and refreshes it, so a prefix in use does not age out of the tier."""
-    d = make(20)
-    store(d, "t0", [1, 2])
-    assert store(d, "t0", [1]) == []  # held: nothing to write
-    plans = store(d, "t0", [3])
-    assert plans == [StorePlan("t0", (k(3),), (k(2),))]  # 2 is the least recently used, not 1
-    assert d.lookup([k(1)]) == ["t0"] and d.lookup([k(2)]) == []
-
-
 def test_lookup_stops_at_first_miss_and_spans_tiers() -> None:
     d = make(100, 100)
     store(d, "t0", [1])

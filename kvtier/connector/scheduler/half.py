@@ -167,6 +167,9 @@ class SchedulerHalf:
         limit = min(len(k) for k in all_keys) if all_keys else 0
         if self._admission is not None and state.save_class is None and all_keys:
             self._classify(state, all_keys[0][:limit], num_computed_tokens)
+        if not state.refreshed and num_computed_tokens >= size:
+            state.refreshed = True
+            self._refresh(all_keys, min(limit, num_computed_tokens // size))
         if limit * size <= num_computed_tokens:
             return 0, False
         located = [self._locator.locate(g, keys[:limit], count=g == 0) for g, keys in enumerate(all_keys)]
@@ -185,6 +188,16 @@ class SchedulerHalf:
                                                or i in located[g].writing for g, i in used)
         self._hits[request.request_id] = Hit(chunks, num_computed_tokens, locations, is_async)
         return chunks * size - num_computed_tokens, is_async
+
+    def _refresh(self, all_keys: Sequence[Sequence[Key]], chunks: int) -> None:
+        """The engine's own hit covers a request's first ``chunks`` chunks: kvtier's copies of them are in use though
+        no lookup of kvtier counts them (a lookup asks only past the engine's hit), so refresh them in the local tiers
+        that hold them. Else a prefix the engine keeps serving ages in kvtier's tiers as if unused, and is gone, with
+        the rest of its chain, by the time the engine drops it."""
+        for g, keys in enumerate(all_keys):
+            for tier in self._placement[g] if g < len(self._placement) else ():
+                if not self.directory.is_shared(tier):
+                    self.directory.touch(tier, keys[:chunks])
 
     def _classify(self, state: ReqState, keys: Sequence[Key], num_computed_tokens: int) -> None:
         """A request's first lookup: credit the save admission with the chunks it asks for past the engine's own

@@ -33,6 +33,7 @@ class ReqState:
     counted: bool = False  # its keys joined the reuse counts (once per request)
     save_class: int | None = None  # its class for the save admission, from its first lookup
     reach: int = 0  # chunks its first lookup found in the engine's cache or in the admission's ghosts
+    refreshed: bool = False  # kvtier's copies of the engine's own hit were refreshed (once per request)
     loaded: int = 0  # chunks of its hit (the engine's own and those kvtier loaded)
     admitted: bool | None = None  # whether the save admission takes its chunks (decided at its first save)
     in_shared: set[tuple[str, Key]] = field(default_factory=set)  # (shared tier, key) its hit found there

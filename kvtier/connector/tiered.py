@@ -83,14 +83,19 @@ def described(ident: Identity, kcc: KVCacheConfig, chunk_size: int) -> dict[byte
 
 async def describe_tiers(tiers: Iterable[Tier], spaces: dict[bytes, dict[str, Any]],
                          directory: Directory | None = None) -> None:
-    """Hand the namespaces to every tier (``Tier.describe``); with the ``directory`` of tiers already started,
-    adopt the records that became theirs (``adopt`` skips what it holds)."""
+    """Hand the namespaces to every tier (``Tier.describe``); with the ``directory`` of tiers already started, which
+    adopted what each listed before it was described (a private Redis: every namespace), forget what is no longer
+    theirs and adopt what became theirs (``adopt`` skips what it holds)."""
     for tier in tiers:
+        tracked = directory is not None and not tier.is_shared
+        listed = {e.key for e in tier.entries()} if tracked else set()
         pending = tier.describe(spaces)
         if inspect.isawaitable(pending):  # a tier may describe synchronously
             await pending
-        if directory is not None and not tier.is_shared:
-            directory.adopt(tier.name, ((e.key, e.size) for e in tier.entries()))
+        if directory is not None and tracked:
+            entries = list(tier.entries())
+            directory.disown(tier.name, listed - {e.key for e in entries})
+            directory.adopt(tier.name, ((e.key, e.size) for e in entries))
 
 
 class TieredConnector(KVConnectorBase, SupportsHMA):

@@ -403,6 +403,19 @@ class Directory:
             self._schedule_drain()
         return adopted
 
+    def disown(self, tier: str, keys: Iterable[Key]) -> int:
+        """Forget adopted records that are no longer the tier's (its namespaces were named after it listed them):
+        those READY and unpinned, without events (their adoption had none)."""
+        index = self._tiers[tier]
+        dropped = 0
+        with self._lock:
+            for key in keys:
+                entry = index.entries.get(key)
+                if entry is not None and entry.state is ChunkState.READY and not entry.pins:
+                    dropped += index.drop(key)
+            self._schedule_drain()
+        return dropped
+
     # ---- the policies' calls, deferred -------------------------------------------------------------------
     def defer_policy(self, schedule: Schedule | None) -> None:
         """Queue the policies' calls from now on, applied by ``drain`` jobs handed to ``schedule`` (e.g. one that

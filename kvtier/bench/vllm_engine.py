@@ -21,11 +21,7 @@ second. Every result carries the median and spread, the tokens the engine report
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -34,15 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.output import add_output_arguments, figure
-from kvtier.bench.vllm_driver import ENV, kvtier_transfer, llm_kwargs
+from kvtier.bench.vllm_driver import Engine, start_engines
 from kvtier.ops.argtypes import existing_path, positive_int
-from kvtier.ops.vllm_server import same_kvtier
 
 ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "kvtier_redis_private",
              "vllm_offloading")
 SUFFIX = 16
 OUTPUT_TOKENS = 16
 CHUNK = 64
+OFFLOADING = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",  # vLLM's own CPU offloading
+              "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
 HYBRID_CHUNK = 160  # vLLM's block size for the hybrid model in align mode (attention and state groups alike)
 
 
@@ -77,17 +74,6 @@ def kvtier_yaml(path: Path, mode: str, workdir: Path, redis_url: str | None, chu
     return str(path)
 
 
-def _transfer(mode: str, config: str | None) -> dict[str, Any] | None:
-    if mode.startswith("kvtier"):
-        if config is None:
-            raise ValueError(f"mode {mode} needs a kvtier config file")
-        return kvtier_transfer(config)
-    if mode == "vllm_offloading":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
-    return None
-
-
 def _prompts(lengths: Sequence[int], rounds: int, batch: int) -> dict[str, Any]:
     rng = random.Random(11)
     tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
@@ -95,111 +81,61 @@ def _prompts(lengths: Sequence[int], rounds: int, batch: int) -> dict[str, Any]:
                      "batch": [tok(SUFFIX) for _ in range(batch)]} for n in lengths}
 
 
-def worker(spec_path: str, out_path: str) -> None:
-    """One engine process: populate, TTFT rounds, one throughput batch per length."""
-    spec = json.loads(Path(spec_path).read_text())
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    mode = spec["mode"]
-    reset = bool(spec.get("hybrid")) and mode.startswith("kvtier")  # every hit from kvtier, none from vLLM's cache
-    # the hybrid's block size is set: the one vLLM picks to fit the recurrent state's page depends on the CPU's
-    # attention backend (160 or 96 tokens), and the chunks must end on state boundaries
-    blocks = {"block_size": HYBRID_CHUNK} if spec.get("hybrid") else {}
-    kw = llm_kwargs(spec, max_num_seqs=max(8, spec["batch"]),
-                    enable_prefix_caching=mode in ("vllm_prefix", "vllm_offloading") or reset, **blocks)
-    transfer = _transfer(mode, spec.get("kvtier_config"))
-    if transfer is not None:
-        kw["kv_transfer_config"] = transfer
-    result: dict[str, Any] = {"mode": mode}
-    try:
-        llm = LLM(**kw)
-    except Exception as exc:  # a connector this build cannot run: reported, not fatal
-        result["unavailable"] = f"{type(exc).__name__}: {exc}"[:500]
-        Path(out_path).write_text(json.dumps(result))
-        return
-    from kvtier.bench.vllm_inproc import PhaseTimer, medium_alone
-
-    phases = PhaseTimer()
-    phases.install(llm)
-    first = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
-    many = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
-    prompts = spec["prompts"]
-
-    failed_resets = [0]  # vLLM refuses a reset while blocks are in use: then a hit may be vLLM's own (reported)
-
-    def generate(token_lists: list[list[int]], params: Any) -> tuple[float, list[Any]]:
-        if reset and not _reset_prefix_cache(llm):
-            failed_resets[0] += 1
-        phases.begin()
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_lists], params, use_tqdm=False)
-        end[0] = time.perf_counter()
-        return end[0] - t, outs
-
-    end = [0.0]
-
-    for length in prompts.values():  # populate: the prefix's chunks are saved (kvtier) or cached (vLLM)
-        generate([length["prefix"] + length["suffixes"][0]], first)
-    from kvtier.bench.vllm_inproc import flush_kvtier
-
-    flush_kvtier()  # saves are written in the background: wait for them where kvtier's worker is in this process
-    time.sleep(0.5)
-    # an idle engine runs no step, so its scheduler learns of the finished saves only in the next one: one short,
-    # untimed request lets it (else the first timed round of a local tier missed: a full prefill, ~0.5 s)
-    generate([[5, 6, 7, 8]], first)
-    ttft: dict[str, list[float]] = {n: [] for n in prompts}
-    cached: dict[str, list[int]] = {n: [] for n in prompts}
-    tokens: dict[str, list[int]] = {n: [] for n in prompts}
-    breakdown: dict[str, list[dict[str, Any]]] = {n: [] for n in prompts}
-    reads: dict[str, Any] = {}
-    for r in range(1, spec["repeats"] + 1):
-        for n, length in prompts.items():
-            seconds, outs = generate([length["prefix"] + length["suffixes"][r]], first)
-            ttft[n].append(seconds)
-            breakdown[n].append(phases.breakdown(end[0] - seconds, end[0]))
-            reads[n] = phases.reads
-            cached[n].append(int(outs[0].num_cached_tokens or 0))
-            tokens[n].append(int(outs[0].outputs[0].token_ids[0]))
-    throughput: dict[str, float] = {}
-    for n, length in prompts.items():
-        batch = [length["prefix"] + s for s in length["batch"]]
-        seconds, _ = generate(batch, many)
-        throughput[n] = sum(len(p) for p in batch) / seconds
-    alone = {n: medium_alone(reads[n]) for n in prompts if reads.get(n)}  # the same records, outside the steps
-    result.update(ttft_s=ttft, cached_tokens=cached, first_tokens=tokens, prompt_tokens_per_s=throughput,
-                  prefix_cache_resets_failed=failed_resets[0], phases=breakdown, medium_alone=alone)
-    Path(out_path).write_text(json.dumps(result))
-
-
-def _reset_prefix_cache(llm: Any, timeout_s: float = 5.0) -> bool:
-    """Empty vLLM's prefix cache; it refuses while a finished request's blocks wait for its saves, so step the
-    engine (it then learns they are done) and retry until ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not llm.reset_prefix_cache():
-        if time.monotonic() > deadline:
-            return False
-        llm.llm_engine.step()
-        time.sleep(0.02)
-    return True
+def _engine_spec(mode: str, spec: dict[str, Any], hybrid: bool, batch: int) -> dict[str, Any]:
+    """The driver's spec of ``mode``'s engine: vLLM's prefix cache on for ``vllm_prefix`` and
+    ``vllm_offloading`` (and, for the hybrid, in kvtier modes: its state is kept per block only then), the
+    hybrid's block size set (the one vLLM picks for the state's page depends on the CPU's attention backend, 160
+    or 96 tokens, and the chunks must end on state boundaries), the phases timed."""
+    engine: dict[str, Any] = {"max_num_seqs": max(8, batch), **({"block_size": HYBRID_CHUNK} if hybrid else {})}
+    if mode == "vllm_offloading":
+        engine["kv_transfer_config"] = OFFLOADING
+    cached = mode in ("vllm_prefix", "vllm_offloading") or (hybrid and mode.startswith("kvtier"))
+    return {**spec, "mode": mode, "prefix_caching": cached, "engine": engine, "phases": True}
 
 
 def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    spec_path, out_path = workdir / f"{mode}.json", workdir / f"{mode}-out.json"
-    spec_path.write_text(json.dumps({**spec, "mode": mode}))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), **ENV}
+    """One engine process (kvtier.bench.vllm_driver) for ``mode``: populate, TTFT rounds, one throughput batch per
+    length; a mode whose engine does not start is reported unavailable."""
+    reset = bool(spec.get("hybrid")) and mode.startswith("kvtier")  # every hit from kvtier, none from vLLM's cache
     t = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", str(spec_path), str(out_path)],
-                              env=same_kvtier(env), capture_output=True, text=True, timeout=1800)
-    except subprocess.TimeoutExpired:
-        return {"mode": mode, "unavailable": "engine process ran past 1800 s"}
-    if proc.returncode != 0 or not out_path.exists():
-        tail = (proc.stdout + proc.stderr)[-1500:]
-        return {"mode": mode, "unavailable": f"engine process failed ({proc.returncode}): {tail}"}
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    result["process_s"] = time.perf_counter() - t
-    return result
+        with ExitStack() as stack:
+            engine, = start_engines(stack, {mode: _engine_spec(mode, spec, bool(spec.get("hybrid")), spec["batch"])},
+                                    workdir, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+            result = _measure(engine, spec["prompts"], spec["repeats"], reset)
+    except RuntimeError as exc:  # a connector this build cannot run, or an engine that failed: its error's line
+        lines = [line.removeprefix("[rank0]: ") for line in str(exc).splitlines() if line.strip()]
+        return {"mode": mode, "unavailable": (lines or ["engine failed"])[-1][:500]}
+    return {"mode": mode, **result, "process_s": time.perf_counter() - t}
+
+
+def _measure(engine: Engine, prompts: dict[str, Any], repeats: int, reset: bool) -> dict[str, Any]:
+    for length in prompts.values():  # populate: the prefix's chunks are saved (kvtier) or cached (vLLM)
+        engine.send({"prompt": length["prefix"] + length["suffixes"][0], "max_tokens": 1, "reset": reset})
+    engine.flush()  # saves are written in the background: wait for them
+    time.sleep(0.5)
+    # an idle engine runs no step, so its scheduler learns of the finished saves only in the next one: one short,
+    # untimed request lets it (else the first timed round of a local tier missed: a full prefill, ~0.5 s)
+    engine.send({"prompt": [5, 6, 7, 8], "max_tokens": 1, "reset": reset})
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in prompts}
+    for r in range(1, repeats + 1):
+        for n, length in prompts.items():
+            runs[n].append(engine.send({"prompt": length["prefix"] + length["suffixes"][r], "max_tokens": 1,
+                                        "reset": reset, "tag": n}))
+    throughput: dict[str, float] = {}
+    failed = sum(a["reset_failed"] for rs in runs.values() for a in rs)
+    for n, length in prompts.items():
+        batch = [length["prefix"] + s for s in length["batch"]]
+        answer = engine.send({"prompts": batch, "max_tokens": OUTPUT_TOKENS, "reset": reset})
+        throughput[n] = sum(len(p) for p in batch) / answer["seconds"]
+        failed += answer["reset_failed"]
+    alone = {n: engine.send({"medium_alone": n})["medium_alone"] for n in prompts}  # the same records, untimed
+    return {"ttft_s": {n: [a["seconds"] for a in rs] for n, rs in runs.items()},
+            "cached_tokens": {n: [a["cached"] for a in rs] for n, rs in runs.items()},
+            "first_tokens": {n: [a["tokens"][0] for a in rs] for n, rs in runs.items()},
+            "phases": {n: [a["phases"] for a in rs] for n, rs in runs.items()},
+            "prompt_tokens_per_s": throughput, "prefix_cache_resets_failed": failed,
+            "medium_alone": {n: a for n, a in alone.items() if a}}
 
 
 def summarize(results: dict[str, dict[str, Any]], lengths: Sequence[int]) -> dict[str, Any]:
@@ -378,5 +314,3 @@ def _model_name(args: argparse.Namespace, layers: int, hidden: int) -> str:
     return args.model or f"random Llama, {layers} layers x {hidden}, float32"
 
 
-if __name__ == "__main__":  # one engine process: python -m kvtier.bench.vllm_engine SPEC OUT
-    worker(sys.argv[1], sys.argv[2])

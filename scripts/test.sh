@@ -84,7 +84,7 @@ marker=(-m "not slow")
 skip=()
 [ "$VLLM" = 1 ] || skip=(--ignore=tests/integration)
 echo "== pytest"
-"$PY" -m pytest "${marker[@]}" "${skip[@]}" -p no:cacheprovider -q -ra "$@"
+"$PY" -m pytest "${marker[@]}" "${skip[@]}" -p no:cacheprovider -q -ra --durations=15 "$@"
 if [ "$VLLM" = 1 ] && [ "$VLLM034" = 1 ]; then
   echo "== pytest tests/integration on vLLM 0.34 (.venv/vllm-0.34 before 0.33)"
   PYTHONPATH="$PWD/.venv/vllm-0.34${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/integration "${marker[@]}" \
@@ -100,5 +100,5 @@ if [ "$E2E" = 1 ]; then
   .venv-e2e/bin/python -m pip install -q --no-deps --force-reinstall .venv-e2e/dist/kvtier-*.whl
   echo "== pytest tests/e2e (vLLM's CPU engine, one process per engine)"
   (unset VLLM_TARGET_DEVICE; KVTIER_E2E=1 PYTHONSAFEPATH=1 exec .venv-e2e/bin/python -m pytest tests/e2e \
-    -p no:cacheprovider -q -ra)
+    -p no:cacheprovider -q -ra --durations=0)
 fi

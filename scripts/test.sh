@@ -88,7 +88,7 @@ echo "== pytest"
 if [ "$VLLM" = 1 ] && [ "$VLLM034" = 1 ]; then
   echo "== pytest tests/integration on vLLM 0.34 (.venv/vllm-0.34 before 0.33)"
   PYTHONPATH="$PWD/.venv/vllm-0.34${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/integration "${marker[@]}" \
-    -p no:cacheprovider -q -ra
+    -p no:cacheprovider -q -ra --durations=5
 fi
 if [ "$E2E" = 1 ]; then
   # kvtier as a user installs it: the wheel built from this tree (a file the package leaves out fails these tests),

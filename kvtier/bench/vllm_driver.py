@@ -38,6 +38,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -150,6 +151,8 @@ def mixed_batch(llm: Any, scheduler: Any, hooks: HookTimer, decode: Sequence[lis
 
 # ---- the engine process and its handle ----------------------------------------------------------------------
 
+ANSWER_S = 1800.0  # the longest an engine process may take to answer one message
+
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -191,7 +194,8 @@ def llm_kwargs(spec: dict[str, Any], **settings: Any) -> dict[str, Any]:
 
 def _external_tokens(llm: Any) -> list[int]:
     """A one-item list that adds up the tokens the scheduler's connector is asked to load (kvtier's hits), from
-    ``update_state_after_alloc`` (requests run one at a time: the caller reads and resets it per request)."""
+    ``update_state_after_alloc``, over every prompt of the request or batch the caller runs (it resets it for
+    each)."""
     seen = [0]
     connector = getattr(scheduler_of(llm), "connector", None)
     if connector is None:
@@ -287,7 +291,7 @@ def serve(spec_path: str) -> None:
         else:
             answer = _generate(llm, request, steps, hooks, external, first_token, phases)
             if phases is not None and request.get("tag"):
-                reads[request["tag"]] = phases.reads
+                reads[request["tag"]] = list(phases.reads)  # a copy: medium_alone's reads are timed too
         print(json.dumps(answer), flush=True)
 
 
@@ -369,15 +373,23 @@ class Engine:
         self.pid = int(self.answer().get("pid", self.proc.pid))
 
     def answer(self) -> dict[str, Any]:
+        """The engine's next answer; a ``RuntimeError`` with its log's tail once it exited, or after ``ANSWER_S``
+        without an answer (it is killed: a hang is not a measurement)."""
         assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                tail = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
-                raise RuntimeError(f"engine {self.mode} exited ({self.proc.poll()}):\n{tail}")
-            if line.startswith("{"):
-                result: dict[str, Any] = json.loads(line)
-                return result
+        watchdog = threading.Timer(ANSWER_S, self.proc.kill)
+        watchdog.start()
+        try:
+            while True:
+                line = self.proc.stdout.readline()
+                if not line:
+                    late = "" if watchdog.is_alive() else f", no answer in {ANSWER_S:.0f} s"
+                    tail = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
+                    raise RuntimeError(f"engine {self.mode} exited ({self.proc.poll()}{late}):\n{tail}")
+                if line.startswith("{"):
+                    result: dict[str, Any] = json.loads(line)
+                    return result
+        finally:
+            watchdog.cancel()
 
     def send(self, message: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -104,26 +105,34 @@ def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                                     workdir, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
             result = _measure(engine, spec["prompts"], spec["repeats"], reset)
     except RuntimeError as exc:  # a connector this build cannot run, or an engine that failed: its error's line
-        lines = [line.removeprefix("[rank0]: ") for line in str(exc).splitlines() if line.strip()]
-        return {"mode": mode, "unavailable": (lines or ["engine failed"])[-1][:500]}
+        return {"mode": mode, "unavailable": _error_line(str(exc)), "log_tail": str(exc)[-1500:],
+                "process_s": time.perf_counter() - t}
     return {"mode": mode, **result, "process_s": time.perf_counter() - t}
 
 
+def _error_line(text: str) -> str:
+    """The line of an engine's log tail that names its error (the last ``...Error:`` / ``...Exception:`` line),
+    else its first line."""
+    lines = [line.removeprefix("[rank0]: ").strip() for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"[\w.]*(Error|Exception): ", line)]
+    return (named or lines or ["engine failed"])[-1 if named else 0][:500]
+
+
 def _measure(engine: Engine, prompts: dict[str, Any], repeats: int, reset: bool) -> dict[str, Any]:
-    for length in prompts.values():  # populate: the prefix's chunks are saved (kvtier) or cached (vLLM)
-        engine.send({"prompt": length["prefix"] + length["suffixes"][0], "max_tokens": 1, "reset": reset})
+    untimed = [engine.send({"prompt": length["prefix"] + length["suffixes"][0], "max_tokens": 1, "reset": reset})
+               for length in prompts.values()]  # populate: the prefix's chunks are saved (kvtier) or cached (vLLM)
     engine.flush()  # saves are written in the background: wait for them
     time.sleep(0.5)
     # an idle engine runs no step, so its scheduler learns of the finished saves only in the next one: one short,
     # untimed request lets it (else the first timed round of a local tier missed: a full prefill, ~0.5 s)
-    engine.send({"prompt": [5, 6, 7, 8], "max_tokens": 1, "reset": reset})
+    untimed.append(engine.send({"prompt": [5, 6, 7, 8], "max_tokens": 1, "reset": reset}))
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in prompts}
     for r in range(1, repeats + 1):
         for n, length in prompts.items():
             runs[n].append(engine.send({"prompt": length["prefix"] + length["suffixes"][r], "max_tokens": 1,
                                         "reset": reset, "tag": n}))
     throughput: dict[str, float] = {}
-    failed = sum(a["reset_failed"] for rs in runs.values() for a in rs)
+    failed = sum(a["reset_failed"] for rs in (untimed, *runs.values()) for a in rs)  # before every request
     for n, length in prompts.items():
         batch = [length["prefix"] + s for s in length["batch"]]
         answer = engine.send({"prompts": batch, "max_tokens": OUTPUT_TOKENS, "reset": reset})

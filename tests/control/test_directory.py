@@ -139,6 +139,22 @@ def test_adopt_respects_capacity() -> None:
     assert d.lookup([k(1), k(2)]) == ["t0", "t0"]
 
 
+def test_disown_forgets_only_adopted_records_that_are_ready_and_unpinned_with_no_event() -> None:
+    """What a tier no longer lists once described: gone from the directory and its bytes freed; a record a load
+    holds, or one being written, stays; no event (the adoption had none)."""
+    from kvtier.control.events import EventLog
+
+    d = make(100)
+    d.events = EventLog()
+    d.adopt("t0", [(k(1), 10), (k(2), 10)])
+    d.pin("t0", [k(2)])
+    d.prepare_store("t0", [(k(3), 10, None)])  # pending
+    assert d.disown("t0", [k(1), k(2), k(3), k(9)]) == 1
+    assert d.lookup([k(1)]) == [] and d.contains("t0", k(2)) and d.holds("t0", k(3))
+    assert d.used_bytes("t0") == 20
+    assert not d.events.take()
+
+
 def test_remove_frees_space() -> None:
     d = make(100)
     store(d, "t0", [1, 2])

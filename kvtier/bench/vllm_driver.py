@@ -152,6 +152,7 @@ def mixed_batch(llm: Any, scheduler: Any, hooks: HookTimer, decode: Sequence[lis
 # ---- the engine process and its handle ----------------------------------------------------------------------
 
 ANSWER_S = 1800.0  # the longest an engine process may take to answer one message
+NO_ANSWER = ", killed: no answer in"
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -376,25 +377,44 @@ class Engine:
         """The engine's next answer; a ``RuntimeError`` with its log's tail once it exited, or after ``ANSWER_S``
         without an answer (it is killed: a hang is not a measurement)."""
         assert self.proc.stdout is not None
-        watchdog = threading.Timer(ANSWER_S, self.proc.kill)
+        fired = threading.Event()
+
+        def kill() -> None:
+            fired.set()
+            self.proc.kill()
+
+        watchdog = threading.Timer(ANSWER_S, kill)
         watchdog.start()
         try:
             while True:
                 line = self.proc.stdout.readline()
                 if not line:
-                    late = "" if watchdog.is_alive() else f", no answer in {ANSWER_S:.0f} s"
-                    tail = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
-                    raise RuntimeError(f"engine {self.mode} exited ({self.proc.poll()}{late}):\n{tail}")
+                    watchdog.cancel()
+                    watchdog.join()
+                    late = f"{NO_ANSWER} {ANSWER_S:.0f} s" if fired.is_set() else ""
+                    raise RuntimeError(f"engine {self.mode} exited ({self._returncode()}{late}):\n{self._tail()}")
                 if line.startswith("{"):
                     result: dict[str, Any] = json.loads(line)
                     return result
         finally:
             watchdog.cancel()
 
+    def _returncode(self) -> int | None:
+        try:
+            return self.proc.wait(timeout=5)  # its output ended just before it is reaped
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+
     def send(self, message: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it exited: answer() says how, with its log
+            pass
         return self.answer()
 
     def ask(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -415,7 +435,10 @@ class Engine:
 
     def close(self) -> None:
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:  # it exited with a message of ours unread
+                pass
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.output import add_output_arguments, figure
-from kvtier.bench.vllm_driver import Engine, start_engines
+from kvtier.bench.vllm_driver import NO_ANSWER, Engine, start_engines
 from kvtier.ops.argtypes import existing_path, positive_int
 
 ALL_MODES = ("none", "vllm_prefix", "kvtier_cpu", "kvtier_disk", "kvtier_redis", "kvtier_redis_private",
@@ -105,16 +105,20 @@ def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
                                     workdir, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
             result = _measure(engine, spec["prompts"], spec["repeats"], reset)
     except RuntimeError as exc:  # a connector this build cannot run, or an engine that failed: its error's line
-        return {"mode": mode, "unavailable": _error_line(str(exc)), "log_tail": str(exc)[-1500:],
-                "process_s": time.perf_counter() - t}
+        text = str(exc)
+        return {"mode": mode, "unavailable": _error_line(text), "log_tail": text.partition("\n")[0] + "\n"
+                + text[-1500:], "process_s": time.perf_counter() - t}
     return {"mode": mode, **result, "process_s": time.perf_counter() - t}
 
 
 def _error_line(text: str) -> str:
-    """The line of an engine's log tail that names its error (the last ``...Error:`` / ``...Exception:`` line),
-    else its first line."""
+    """What made an engine fail, in one line: the driver's own line when it killed the engine for giving no answer,
+    else the line of its log's tail that names its error (the last ``...Error`` / ``...Exception`` line), else the
+    first line."""
     lines = [line.removeprefix("[rank0]: ").strip() for line in text.splitlines() if line.strip()]
-    named = [line for line in lines if re.match(r"[\w.]*(Error|Exception): ", line)]
+    if lines and NO_ANSWER in lines[0]:
+        return lines[0][:500]
+    named = [line for line in lines if re.match(r"[\w.]*(Error|Exception)(: |$)", line)]
     return (named or lines or ["engine failed"])[-1 if named else 0][:500]
 
 

@@ -29,9 +29,9 @@ def test_an_engine_that_never_answers_is_killed_and_reported(tmp_path: Path, mon
     monkeypatch.setattr(vllm_driver, "ANSWER_S", 0.5)
     engine = _engine(tmp_path, "import time; print('starting', flush=True); time.sleep(60)")
     try:
-        with pytest.raises(RuntimeError, match=r"exited \(-9, no answer in 0 s\)") as caught:
+        with pytest.raises(RuntimeError, match=r"exited \(-9, killed: no answer in 0 s\)") as caught:
             engine.answer()
-        assert _error_line(str(caught.value)) == "RuntimeError: the engine's own words"
+        assert _error_line(str(caught.value)) == "engine stand-in exited (-9, killed: no answer in 0 s):"
     finally:
         engine.close()
 
@@ -40,8 +40,9 @@ def test_an_answer_is_the_next_json_line_and_a_process_that_exits_says_so(tmp_pa
     engine = _engine(tmp_path, "print('a log line'); print('{\"ready\": true, \"pid\": 7}', flush=True)")
     try:
         assert engine.answer() == {"ready": True, "pid": 7}
-        with pytest.raises(RuntimeError, match=r"engine stand-in exited \(0\)"):
-            engine.answer()
+        with pytest.raises(RuntimeError, match=r"engine stand-in exited \(0\)") as caught:
+            engine.send({"flush": True})  # it has exited: the message is lost, the answer says so
+        assert _error_line(str(caught.value)) == "RuntimeError: the engine's own words"
     finally:
         engine.close()
 
@@ -50,7 +51,10 @@ def test_an_answer_is_the_next_json_line_and_a_process_that_exits_says_so(tmp_pa
     ("[rank0]:   File \"spec.py\"\n[rank0]: Exception: CPU Offloading is only on GPUs\n"
      "Exception ignored in: <object>\n", "Exception: CPU Offloading is only on GPUs"),
     ("engine x exited (1):\nvllm.SomeError: bad config\nwarning after it", "vllm.SomeError: bad config"),
-    ("engine x exited (-9, no answer in 1800 s):\nno error named", "engine x exited (-9, no answer in 1800 s):"),
+    ("engine x exited (-9, killed: no answer in 1800 s):\nRuntimeError: an older error in its log",
+     "engine x exited (-9, killed: no answer in 1800 s):"),
+    ("engine x exited (1):\nTraceback\nAssertionError\n", "AssertionError"),
+    ("engine x exited (1):\nno error named", "engine x exited (1):"),
 ])
 def test_a_failed_engine_is_reported_by_the_line_naming_its_error(tail: str, line: str) -> None:
     assert _error_line(tail) == line

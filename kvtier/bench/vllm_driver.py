@@ -48,6 +48,7 @@ from typing import Any
 
 from kvtier.bench.vllm_inproc import (
     HookTimer,
+    PhaseTimer,
     as_kvtier,
     flush_kvtier,
     kvtier_thread_seconds,
@@ -266,7 +267,7 @@ def _build(spec: dict[str, Any]) -> tuple[Any, list[float], HookTimer, list[floa
 
 def serve(spec_path: str) -> None:
     """The engine process: requests as JSON lines on stdin, answers as JSON lines on stdout."""
-    from kvtier.bench.vllm_inproc import PhaseTimer, medium_alone
+    from kvtier.bench.vllm_inproc import medium_alone
 
     spec = json.loads(Path(spec_path).read_text())
     llm, steps, hooks, first_token = _build(spec)
@@ -297,10 +298,10 @@ def serve(spec_path: str) -> None:
 
 
 def _generate(llm: Any, request: dict[str, Any], steps: list[float], hooks: HookTimer, external: list[int],
-              first_token: list[float], phases: Any) -> dict[str, Any]:
+              first_token: list[float], phases: PhaseTimer | None) -> dict[str, Any]:
     """Run one request (``prompt``) or a batch (``prompts``) of ``max_tokens`` each, vLLM's prefix cache emptied
-    first with ``reset``; its timings, cached tokens and tokens (of the first prompt; ``cached_each`` for every
-    prompt of a batch), and with ``phases`` (a PhaseTimer) where the time to first token went."""
+    first with ``reset``; its timings, cached tokens and tokens (of the first prompt), and with ``phases`` where
+    the time to first token went."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -319,8 +320,6 @@ def _generate(llm: Any, request: dict[str, Any], steps: list[float], hooks: Hook
               "cached": int(outs[0].num_cached_tokens or 0), "external": external[0],
               "tokens": list(outs[0].outputs[0].token_ids), "hook_s": hooks.seconds,
               "kvtier_thread_s": kvtier_thread_seconds() - cpu0, "reset_failed": reset_failed}
-    if len(prompts) > 1:
-        answer["cached_each"] = [int(out.num_cached_tokens or 0) for out in outs]
     if phases is not None:
         answer["phases"] = phases.breakdown(t, t + seconds)
     return answer

@@ -82,16 +82,18 @@ def _prompts(lengths: Sequence[int], rounds: int, batch: int) -> dict[str, Any]:
                      "batch": [tok(SUFFIX) for _ in range(batch)]} for n in lengths}
 
 
-def _engine_spec(mode: str, spec: dict[str, Any], hybrid: bool, batch: int) -> dict[str, Any]:
+def _engine_spec(mode: str, spec: dict[str, Any]) -> dict[str, Any]:
     """The driver's spec of ``mode``'s engine: vLLM's prefix cache on for ``vllm_prefix`` and
     ``vllm_offloading`` (and, for the hybrid, in kvtier modes: its state is kept per block only then), the
     hybrid's block size set (the one vLLM picks for the state's page depends on the CPU's attention backend, 160
     or 96 tokens, and the chunks must end on state boundaries), the phases timed."""
-    engine: dict[str, Any] = {"max_num_seqs": max(8, batch), **({"block_size": HYBRID_CHUNK} if hybrid else {})}
+    hybrid = bool(spec.get("hybrid"))
+    engine: dict[str, Any] = {"max_num_seqs": max(8, spec["batch"]),
+                              **({"block_size": HYBRID_CHUNK} if hybrid else {})}
     if mode == "vllm_offloading":
         engine["kv_transfer_config"] = OFFLOADING
     cached = mode in ("vllm_prefix", "vllm_offloading") or (hybrid and mode.startswith("kvtier"))
-    return {**spec, "mode": mode, "prefix_caching": cached, "engine": engine, "phases": True}
+    return {**spec, "prefix_caching": cached, "engine": engine, "phases": True}
 
 
 def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -101,8 +103,8 @@ def _run_mode(mode: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     t = time.perf_counter()
     try:
         with ExitStack() as stack:
-            engine, = start_engines(stack, {mode: _engine_spec(mode, spec, bool(spec.get("hybrid")), spec["batch"])},
-                                    workdir, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+            engine, = start_engines(stack, {mode: _engine_spec(mode, spec)}, workdir,
+                                    env={"VLLM_CPU_KVCACHE_SPACE": "2"})
             result = _measure(engine, spec["prompts"], spec["repeats"], reset)
     except RuntimeError as exc:  # a connector this build cannot run, or an engine that failed: its error's line
         text = str(exc)

@@ -87,12 +87,11 @@ async def describe_tiers(tiers: Iterable[Tier], spaces: dict[bytes, dict[str, An
     adopted what each listed before it was described (a private Redis: every namespace), forget what is no longer
     theirs and adopt what became theirs (``adopt`` skips what it holds)."""
     for tier in tiers:
-        tracked = directory is not None and not tier.is_shared
-        listed = {e.key for e in tier.entries()} if tracked else set()
+        listed = None if directory is None or tier.is_shared else {e.key for e in tier.entries()}
         pending = tier.describe(spaces)
         if inspect.isawaitable(pending):  # a tier may describe synchronously
             await pending
-        if directory is not None and tracked:
+        if directory is not None and listed is not None:
             entries = list(tier.entries())
             directory.disown(tier.name, listed - {e.key for e in entries})
             directory.adopt(tier.name, ((e.key, e.size) for e in entries))

@@ -203,3 +203,19 @@ def test_test_sh_check_with_everything_installed(tmp_path: Path) -> None:
     assert proc.stderr == ("test.sh: warning: redis-server / redis-cli not on PATH: the Redis tests will skip "
                            "(apt-get install redis-server)\n")
     assert proc.stdout == "test.sh: set-up complete\n"
+
+
+def test_the_repository_tracks_nothing_that_bootstrap_makes_and_no_link() -> None:
+    """A tracked .venv link (a worktree's, say) makes a clone's bootstrap fail at once ('File exists'), and a link
+    points somewhere a clone does not have: the repository tracks neither, and .gitignore keeps both out."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing is tracked")
+    staged = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True,
+                            timeout=60).stdout.splitlines()
+    links = [line.split("\t", 1)[1] for line in staged if line.startswith("120000 ")]
+    made = {".venv", ".venv-e2e", ".peers", "kvtier-results"}
+    tracked_made = [line.split("\t", 1)[1] for line in staged if line.split("\t", 1)[1].split("/")[0] in made]
+    assert links == [] and tracked_made == []
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *sorted(made)], cwd=ROOT, capture_output=True,
+                             text=True, check=False, timeout=60).stdout.split()
+    assert sorted(ignored) == sorted(made)  # links too: a '.venv/' pattern ignores only a directory

@@ -205,17 +205,37 @@ def test_test_sh_check_with_everything_installed(tmp_path: Path) -> None:
     assert proc.stdout == "test.sh: set-up complete\n"
 
 
-def test_the_repository_tracks_nothing_that_bootstrap_makes_and_no_link() -> None:
-    """A tracked .venv link (a worktree's, say) makes a clone's bootstrap fail at once ('File exists'), and a link
-    points somewhere a clone does not have: the repository tracks neither, and .gitignore keeps both out."""
-    if not (ROOT / ".git").exists():
-        pytest.skip("not a git checkout: nothing is tracked")
-    staged = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True,
-                            timeout=60).stdout.splitlines()
-    links = [line.split("\t", 1)[1] for line in staged if line.startswith("120000 ")]
-    made = {".venv", ".venv-e2e", ".peers", "kvtier-results"}
-    tracked_made = [line.split("\t", 1)[1] for line in staged if line.split("\t", 1)[1].split("/")[0] in made]
-    assert links == [] and tracked_made == []
-    ignored = subprocess.run(["git", "check-ignore", "--no-index", *sorted(made)], cwd=ROOT, capture_output=True,
-                             text=True, check=False, timeout=60).stdout.split()
-    assert sorted(ignored) == sorted(made)  # links too: a '.venv/' pattern ignores only a directory
+
+MADE = (".venv", ".venv-e2e", ".peers", "kvtier-results")  # what bootstrap and kvtier's tools make in the root
+
+
+def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False, timeout=60)
+
+
+def test_the_repository_tracks_no_link_and_nothing_that_bootstrap_or_the_tools_make() -> None:
+    """A tracked .venv link (d95c46f committed a worktree's) made a clone's bootstrap fail at once ('File exists:
+    .venv'); a link points somewhere a clone does not have."""
+    if shutil.which("git") is None or _git("rev-parse", "--show-toplevel", cwd=ROOT).returncode != 0:
+        pytest.skip("not a usable git checkout: nothing is tracked")
+    staged = _git("ls-files", "-s", "-z", cwd=ROOT)
+    assert staged.returncode == 0, staged.stderr
+    entries = [entry.split("\t", 1) for entry in staged.stdout.split("\0") if entry]
+    assert [path for mode, path in entries if mode.startswith("120000 ")] == []
+    assert [path for _, path in entries if path.split("/")[0] in MADE] == []
+
+
+def test_gitignore_keeps_out_what_bootstrap_and_the_tools_make_as_links_too(tmp_path: Path) -> None:
+    """A '.venv/' pattern ignores a directory only: a worktree's .venv link was added by 'git add -A'. In a scratch
+    repository with this .gitignore and a link under each name, 'git add -A' adds the .gitignore alone."""
+    if shutil.which("git") is None or not (ROOT / ".gitignore").is_file():
+        pytest.skip("no git, or no .gitignore (not a checkout)")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert _git("init", "-q", cwd=repo).returncode == 0
+    shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
+    for name in MADE:
+        (repo / name).symlink_to(tmp_path)
+    added = _git("add", "-A", "--dry-run", cwd=repo)
+    assert added.returncode == 0, added.stderr
+    assert added.stdout == "add '.gitignore'\n"

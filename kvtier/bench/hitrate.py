@@ -4,7 +4,7 @@ is the benchmark's ``--help``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -43,12 +43,15 @@ class DirectoryStack:
                 return name
         return None
 
-    def store_missing(self, chunks: Sequence[Hashable]) -> int:
+    def store_missing(self, chunks: Sequence[Hashable], parents: Mapping[Hashable, Hashable] | None = None) -> int:
         """Store in tier 0 the chunks no tier holds, in prefix order, touching none (the scheduler half's save
-        plans skip what a tier holds); how many were stored."""
+        plans skip what a tier holds); how many were stored. A chunk's parent is the one before it, or its entry
+        in ``parents`` when given (chunks that are not one prefix)."""
         directory, top, chain = self.directory, self.names[0], self.names[1:]
         stored, parent = 0, None
         for key in cast("list[Key]", chunks):
+            if parents is not None:
+                parent = cast("Key | None", parents.get(key))
             if self._tier_of(key) is None:
                 for plan in directory.prepare_store(top, [(key, 1, parent)], demote_chain=chain):
                     directory.complete_store(plan.tier, plan.store, True)
@@ -56,10 +59,12 @@ class DirectoryStack:
             parent = key
         return stored
 
-    def access(self, chunks: Sequence[Hashable]) -> None:
-        """Insert or touch every chunk in prefix order; a hit below tier 0 is promoted to tier 0."""
+    def access(self, chunks: Sequence[Hashable]) -> list[Key]:
+        """Insert or touch every chunk in prefix order; a hit below tier 0 is promoted to tier 0. Returns the
+        chunks tier 0 evicted to make room, in eviction order."""
         directory, top, chain = self.directory, self.names[0], self.names[1:]
         parent: Key | None = None
+        evicted: list[Key] = []
         for key in cast("list[Key]", chunks):
             tier = self._tier_of(key)
             if tier == top:
@@ -68,8 +73,11 @@ class DirectoryStack:
                 if tier is not None:
                     directory.remove(tier, (key,))
                 for plan in directory.prepare_store(top, [(key, 1, parent)], demote_chain=chain):
+                    if plan.tier == top:
+                        evicted.extend(plan.evicted)
                     directory.complete_store(plan.tier, plan.store, True)
             parent = key
+        return evicted
 
 
 @dataclass
@@ -174,7 +182,7 @@ def ideal_stats(workload: Workload) -> ReplayStats:
 # ---- the engine's cache in front, and the save admission ---------------------------------------------
 
 
-Admission = Literal["all", "learned", "oracle"]
+Admission = Literal["all", "learned", "oracle", "evict"]
 
 
 @dataclass
@@ -224,7 +232,10 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
     its reach (the engine's hit and the admission's ghosts) and stores those of its prompt's full chunks the tier
     lacks when ``admission`` is ``all``, or when ``learned`` admits its class; a declined request stores nothing.
     ``loads`` collects the chunks of every prefix kvtier served (its lookup holds them from the first chunk on);
-    with ``only`` (``oracle``: the loads of an ``all`` replay, known in advance) a request stores only those."""
+    with ``only`` (``oracle``: the loads of an ``all`` replay, known in advance) a request stores only those.
+    ``evict`` saves nothing when a chunk is computed, and each chunk when the engine's cache evicts it, where the
+    tier lacks it (offload on evict, the peers' lazy offload: SGLang's HiCache, LMCache's), and looks the tier up
+    from the engine's hit on."""
     if (admission == "oracle") != (only is not None):
         raise ValueError("the oracle, and only the oracle, saves only the chunks it is given")
     engine = DirectoryStack([make_policy("lru", engine_chunks)], [engine_chunks])
@@ -232,11 +243,14 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
     learned = SaveAdmission(tier_chunks, min_reuse) if admission == "learned" else None
     stats = AdmissionStats(admission, engine_chunks, tier_chunks)
     ct = workload.chunk_tokens
+    parents: dict[Hashable, Hashable] = {}  # ``evict``: each chunk's parent, for the chunks saved out of order
     for req in workload.requests:
         limit, full = min(len(req.chunks), hit_limit(req.input_len, ct)), min(len(req.chunks), req.input_len // ct)
         keys = cast("list[Key]", list(req.chunks))
         hit = len(engine.hit_tiers(keys[:limit]))
-        held = len(tier.hit_tiers(keys[:limit]))
+        # the tier's prefix from the first chunk; with ``evict`` the tier lacks what the engine holds, so its run
+        # counts from the engine's hit on (a lookup past the engine's hit, as the peers' lazy offload looks up)
+        held = hit + len(tier.hit_tiers(keys[hit:limit])) if admission == "evict" else len(tier.hit_tiers(keys[:limit]))
         stats.total_tokens += req.input_len
         stats.engine_tokens += hit * ct
         tier.directory.touch(tier.names[0], keys[:hit])  # the engine's own hit: kvtier's copies are in use
@@ -254,9 +268,12 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
             learned.offer(cls, keys[reach:full])
             stats.offered_chunks += len(keys[reach:full])
             stats.declined_chunks += 0 if admitted else len(keys[reach:full])
-        saves = keys[:full] if admitted else []  # a declined request's plans cover only what it loaded: held
+        saves = keys[:full] if admitted and admission != "evict" else []  # declined: only what it loaded, held
         stats.saved_chunks += tier.store_missing([k for k in saves if only is None or k in only])
-        engine.access(keys[full - 1::-1] if full else [])
+        evicted = engine.access(keys[full - 1::-1] if full else [])
+        if admission == "evict":
+            parents.update(zip(keys[1:full], keys[:full - 1], strict=False))
+            stats.saved_chunks += tier.store_missing(evicted, parents)
     if learned is not None:
         stats.judged(learned)
     return stats
@@ -264,7 +281,8 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
 
 def admission_sweep(workload: Workload, engine_shares: Sequence[float], tier_factor: float) -> dict[str, Any]:
     """Per engine memory share (of the unique chunks): the replay with every chunk saved, with the learned
-    admission, and with an oracle that saves only what the first replay loaded (the bound of any admission),
+    admission, with an oracle that saves only what the first replay loaded (the bound of any admission), and
+    with every chunk saved when the engine evicts it instead of when it is computed,
     kvtier's tier ``tier_factor`` times the engine's memory; the result document."""
     unique = workload.unique_chunks()
     rows = []
@@ -275,7 +293,8 @@ def admission_sweep(workload: Workload, engine_shares: Sequence[float], tier_fac
         every = replay_admission(workload, engine, tier, "all", loads=loads)
         rows += [{"engine_share": share, **stats.row()} for stats in (
             every, replay_admission(workload, engine, tier, "learned"),
-            replay_admission(workload, engine, tier, "oracle", only=loads))]
+            replay_admission(workload, engine, tier, "oracle", only=loads),
+            replay_admission(workload, engine, tier, "evict"))]
     return {"workload": workload.name, "chunk_tokens": workload.chunk_tokens, "requests": len(workload.requests),
             "unique_chunks": unique, "tier_factor": tier_factor, "admission": rows}
 

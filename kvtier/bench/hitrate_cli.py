@@ -13,10 +13,11 @@ input length) over the sum of input lengths.
 ``--engine 10,25,40%``: vLLM's prefix cache in front instead (an LRU of that share of the unique chunks, one block a
 chunk), one kvtier tier behind it (``--tier-factor`` times the engine's memory, the default policy), and kvtier
 serving past the engine's hit, as its scheduler half plans: every chunk saved (``policy.admission: all``) against
-the learned save admission (the default), and against an oracle that saves only the chunks the first replay
-loaded (the bound of any admission). Per share: the hit rates, the chunks kvtier saved (written where the tier
-did not hold them) and loaded, their ratio, and the share of offered chunks the admission declined
-(``hit_rate_admission.json``, no chart).
+the learned save admission (the default), against an oracle that saves only the chunks the first replay
+loaded (the bound of any admission), and against saving each chunk when the engine evicts it instead of when it is
+computed (``evict``: offload on evict, the peers' lazy offload; the tier is then looked up past the engine's
+hit). Per share: the hit rates, the chunks kvtier saved (written where the tier did not hold them) and loaded,
+their ratio, and the share of offered chunks the admission declined (``hit_rate_admission.json``, no chart).
 
 This module is the command line (its options, the workload and sweep they name, the chart, where the results
 go); the replay itself is :mod:`kvtier.bench.hitrate`.

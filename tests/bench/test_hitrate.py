@@ -124,6 +124,28 @@ def test_the_engine_in_front_serves_first_and_kvtier_what_it_evicted() -> None:
     assert (again.engine_tokens, again.kvtier_tokens, again.saved_chunks) == (20, 0, 3)
 
 
+def test_saving_on_evict_saves_only_what_the_engine_drops_and_serves_it_past_the_engines_hit() -> None:
+    """Engine 3 blocks, tier 8. A (3 full chunks) fills the engine and saves nothing; B (3 more) evicts A's chunks,
+    which are saved then, and nothing of B's (the engine still holds it). A again: the tier serves A's first 2
+    chunks, and its computing evicts B's, saved then: every chunk is saved once, when it left the engine."""
+    a, b = ((1, 2, 3), 30), ((4, 5, 6), 30)
+    stats = hitrate.replay_admission(wl(a, b), 3, 8, "evict")
+    assert stats.saved_chunks == 3 and stats.loaded_chunks == 0
+    again = hitrate.replay_admission(wl(a, b, a), 3, 8, "evict")
+    assert (again.kvtier_tokens, again.loaded_chunks, again.saved_chunks) == (20, 2, 6)
+    every = hitrate.replay_admission(wl(a, b), 3, 8, "all")
+    assert every.saved_chunks == 6  # saving at compute time also writes B, which the engine still holds
+
+
+def test_saving_on_evict_looks_the_tier_up_from_the_engines_hit_on() -> None:
+    """Engine 4 blocks. A (4 chunks, 40 tokens: a hit reaches 3) fills it; C (2 chunks) evicts A's tail, A4 and A3,
+    saved then. A again: the engine still holds A1 and A2, the tier A3 only, and the lookup past the engine's hit
+    serves A3 (from the first chunk, the tier holds no prefix at all)."""
+    a, c = ((1, 2, 3, 4), 40), ((7, 8), 20)
+    stats = hitrate.replay_admission(wl(a, c, a), 4, 8, "evict")
+    assert (stats.engine_tokens, stats.kvtier_tokens, stats.loaded_chunks) == (20, 10, 1)
+
+
 def test_the_learned_admission_declines_what_is_never_asked_for_again() -> None:
     """Prompts that are never reused: once a class has its warm-up of offers judged, nothing more is saved. Prompts
     each asked for again past what the engine kept keep being saved (they pay): every reuse hits, and only the
@@ -151,7 +173,8 @@ def test_cli_engine_shares_compare_the_admission_on_and_off(tmp_path: Path, caps
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "hit_rate_admission" and doc["tier_factor"] == 4.0
     assert [(r["engine_share"], r["admission"]) for r in doc["admission"]] == [
-        (0.1, "all"), (0.1, "learned"), (0.1, "oracle"), (0.4, "all"), (0.4, "learned"), (0.4, "oracle")]
+        (0.1, "all"), (0.1, "learned"), (0.1, "oracle"), (0.1, "evict"),
+        (0.4, "all"), (0.4, "learned"), (0.4, "oracle"), (0.4, "evict")]
     for row in doc["admission"]:
         assert row["hit_rate"] == pytest.approx(row["engine_hit_rate"] + row["kvtier_hit_rate"])
         assert row["kvtier_hit_rate"] * row["total_tokens"] == pytest.approx(row["loaded_chunks"] * doc["chunk_tokens"])

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -212,59 +210,31 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s: float = 300) -> None:
-    """Until the server answers /health; its log's tail if it exits first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert server.poll() is None, log.read_text()[-4000:]
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2):
-                return
-        except OSError:
-            assert time.monotonic() < deadline, f"server not ready after {timeout_s:.0f} s"
-            time.sleep(0.5)
-
-
 def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str], tuple[str, str]],
                                                           references: Callable[[str], dict[str, Any]],
                                                           workdir: Path) -> None:
-    """``vllm serve`` (the OpenAI server) with kvtier and vLLM's prefix cache off (by choice, so kvtier's config
-    says ``serve_without_prefix_caching``): two HTTP completions sharing a 260-token prefix; the second one's
-    prompt comes 256 tokens from kvtier."""
-    from kvtier.bench.redis_servers import free_port
+    """``vllm serve`` (the OpenAI server, started as every benchmark and the demo start it:
+    kvtier.ops.vllm_server) with kvtier and vLLM's prefix cache off (by choice, so kvtier's config says
+    ``serve_without_prefix_caching``): two HTTP completions sharing a 260-token prefix; the second one's prompt
+    comes 256 tokens from kvtier."""
+    from kvtier.ops.vllm_server import ServerSpec, kvtier_transfer, running
 
     model, dtype = models("llama")
-    config = disk_config(workdir)
-    transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"config_file": config, "serve_without_prefix_caching": True}}
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
-           "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--block-size", "32",
-           "--max-model-len", "1024", "--enforce-eager", "--served-model-name", "tiny", "--seed", "0",
-           "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
-           "--kv-transfer-config", json.dumps(transfer)]
     counts = workdir / "counts.jsonl"
-    env = {**engine_env(workdir), **counts_env(counts)}
-    log = open(workdir / "server.log", "w")
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(server, base, workdir / "server.log")
+    spec = ServerSpec(model, 0, max_model_len=1024, dtype=dtype, prefix_caching=False,
+                      transfer=kvtier_transfer(disk_config(workdir), serve_without_prefix_caching=True),
+                      extra_args=["--enable-prompt-tokens-details", "--return-tokens-as-token-ids"],
+                      # computing on both cores, as the reference engines do: float32 sums in another thread
+                      # layout give other logprobs (the servers of the benchmarks reserve a core: CPU_LAYOUT)
+                      env={**engine_env(workdir), **counts_env(counts), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    with running(spec, workdir / "server.log", timeout_s=300) as server:
         p = prompts()
-        body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        first = _post(f"{base}/v1/completions", {**body, "logprobs": 1, "prompt": p["A"]})
+        body = {"model": model, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        first = _post(f"{server.url}/v1/completions", {**body, "logprobs": 1, "prompt": p["A"]})
         time.sleep(1.0)  # the first request's chunks are visible once its saves are done
-        second = _post(f"{base}/v1/completions", {**body, "logprobs": 1, "prompt": p["A2"]})
-        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        second = _post(f"{server.url}/v1/completions", {**body, "logprobs": 1, "prompt": p["A2"]})
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
             metrics = response.read().decode()
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
     assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == HIT
     ref = references("llama")["A2_prefix_cached"]

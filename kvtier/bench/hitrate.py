@@ -44,9 +44,9 @@ class DirectoryStack:
         return None
 
     def store_missing(self, chunks: Sequence[Hashable], parents: Mapping[Hashable, Hashable] | None = None) -> int:
-        """Store in tier 0 the chunks no tier holds, in prefix order, touching none (the scheduler half's save
-        plans skip what a tier holds); how many were stored. A chunk's parent is the one before it, or its entry
-        in ``parents`` when given (chunks that are not one prefix)."""
+        """Store in tier 0 the chunks no tier holds, in the order given (a prefix's: first chunk first), touching
+        none (the scheduler half's save plans skip what a tier holds); how many were stored. A chunk's parent is
+        the one before it, or its entry in ``parents`` when given (chunks that are not one prefix)."""
         directory, top, chain = self.directory, self.names[0], self.names[1:]
         stored, parent = 0, None
         for key in cast("list[Key]", chunks):
@@ -248,9 +248,7 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
         limit, full = min(len(req.chunks), hit_limit(req.input_len, ct)), min(len(req.chunks), req.input_len // ct)
         keys = cast("list[Key]", list(req.chunks))
         hit = len(engine.hit_tiers(keys[:limit]))
-        # the tier's prefix from the first chunk; with ``evict`` the tier lacks what the engine holds, so its run
-        # counts from the engine's hit on (a lookup past the engine's hit, as the peers' lazy offload looks up)
-        held = hit + len(tier.hit_tiers(keys[hit:limit])) if admission == "evict" else len(tier.hit_tiers(keys[:limit]))
+        held = _held(tier, keys[:limit], hit, past_hit=admission == "evict")
         stats.total_tokens += req.input_len
         stats.engine_tokens += hit * ct
         tier.directory.touch(tier.names[0], keys[:hit])  # the engine's own hit: kvtier's copies are in use
@@ -260,23 +258,48 @@ def replay_admission(workload: Workload, engine_chunks: int, tier_chunks: int, a
             tier.directory.touch(tier.names[0], keys[hit:held])  # the load's hold
             if loads is not None:
                 loads.update(keys[:held])
-        admitted = True
-        if learned is not None:
-            reach = hit + learned.asked(keys[hit:limit])
-            cls = request_class(reach, req.input_len // ct)
-            admitted = learned.admits(cls)
-            learned.offer(cls, keys[reach:full])
-            stats.offered_chunks += len(keys[reach:full])
-            stats.declined_chunks += 0 if admitted else len(keys[reach:full])
+        admitted = learned is None or _admits(learned, stats, keys[:full], hit, limit, req.input_len // ct)
         saves = keys[:full] if admitted and admission != "evict" else []  # declined: only what it loaded, held
         stats.saved_chunks += tier.store_missing([k for k in saves if only is None or k in only])
         evicted = engine.access(keys[full - 1::-1] if full else [])
         if admission == "evict":
-            parents.update(zip(keys[1:full], keys[:full - 1], strict=False))
-            stats.saved_chunks += tier.store_missing(evicted, parents)
+            stats.saved_chunks += _save_evicted(tier, keys[:full], evicted, parents)
     if learned is not None:
         stats.judged(learned)
     return stats
+
+
+def _admits(learned: SaveAdmission, stats: AdmissionStats, keys: Sequence[Key], hit: int, limit: int,
+            prompt_chunks: int) -> bool:
+    """Whether the learned admission saves a request whose full chunks are ``keys``: its class, by the reach of
+    its lookup (the engine's hit and the admission's ghosts) and its prompt's length; it offers the chunks past
+    its reach, counted in ``stats``."""
+    reach = hit + learned.asked(keys[hit:limit])
+    cls = request_class(reach, prompt_chunks)
+    admitted = learned.admits(cls)
+    learned.offer(cls, keys[reach:])
+    stats.offered_chunks += len(keys[reach:])
+    stats.declined_chunks += 0 if admitted else len(keys[reach:])
+    return admitted
+
+
+def _held(tier: DirectoryStack, keys: Sequence[Key], hit: int, past_hit: bool) -> int:
+    """The chunks of ``keys`` the engine's ``hit`` and the tier serve together: the tier's prefix from the first
+    chunk (what kvtier's lookup asks), or with ``past_hit`` its run from the engine's hit on (``evict``: the tier
+    lacks what the engine holds, so it is looked up past the engine's hit, as the peers' lazy offload is)."""
+    if past_hit:
+        return hit + len(tier.hit_tiers(keys[hit:]))
+    return len(tier.hit_tiers(keys))
+
+
+def _save_evicted(tier: DirectoryStack, mine: Sequence[Key], evicted: Sequence[Key],
+                  parents: dict[Hashable, Hashable]) -> int:
+    """``evict``: save in ``tier`` what the engine evicted for the request whose full chunks are ``mine`` and the
+    tier lacks; how many were saved. The request's own chunks are not evicted (its blocks are in use: the LRU
+    replay may drop and reinsert one it hit), and a run freed tail first is saved first chunk first."""
+    parents.update(zip(mine[1:], mine[:-1], strict=False))
+    own = set(mine)
+    return tier.store_missing([k for k in reversed(evicted) if k not in own], parents)
 
 
 def admission_sweep(workload: Workload, engine_shares: Sequence[float], tier_factor: float) -> dict[str, Any]:

@@ -77,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", metavar="SHARES",
                         help="instead of the policy sweep: vLLM's prefix cache (an LRU of SHARES of the unique "
                              "chunks, e.g. 10,25,40%%) in front of one kvtier tier, every chunk saved against the "
-                             "learned save admission and an oracle: hits, chunks saved and loaded (results "
-                             "hit_rate_admission)")
+                             "learned save admission, an oracle and saving on evict: hits, chunks saved and loaded "
+                             "(results hit_rate_admission)")
     parser.add_argument("--tier-factor", type=float, default=4.0,
                         help="with --engine: kvtier's tier, in multiples of the engine's memory (default 4)")
     parser.add_argument("--limit", type=int, help="replay only the first N requests")

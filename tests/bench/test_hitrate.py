@@ -127,23 +127,35 @@ def test_the_engine_in_front_serves_first_and_kvtier_what_it_evicted() -> None:
 def test_saving_on_evict_saves_only_what_the_engine_drops_and_serves_it_past_the_engines_hit() -> None:
     """Engine 3 blocks, tier 8. A (3 full chunks) fills the engine and saves nothing; B (3 more) evicts A's chunks,
     which are saved then, and nothing of B's (the engine still holds it). A again: the tier serves A's first 2
-    chunks, and its computing evicts B's, saved then: every chunk is saved once, when it left the engine."""
+    chunks, and its computing evicts B's, saved then: every chunk is saved once, when it left the engine; B again
+    loads from the tier, and A's chunks it evicts, which the tier holds, are not saved again."""
     a, b = ((1, 2, 3), 30), ((4, 5, 6), 30)
     stats = hitrate.replay_admission(wl(a, b), 3, 8, "evict")
     assert stats.saved_chunks == 3 and stats.loaded_chunks == 0
     again = hitrate.replay_admission(wl(a, b, a), 3, 8, "evict")
     assert (again.kvtier_tokens, again.loaded_chunks, again.saved_chunks) == (20, 2, 6)
+    twice = hitrate.replay_admission(wl(a, b, a, b), 3, 8, "evict")
+    assert (twice.loaded_chunks, twice.saved_chunks) == (4, 6)
     every = hitrate.replay_admission(wl(a, b), 3, 8, "all")
     assert every.saved_chunks == 6  # saving at compute time also writes B, which the engine still holds
 
 
 def test_saving_on_evict_looks_the_tier_up_from_the_engines_hit_on() -> None:
     """Engine 4 blocks. A (4 chunks, 40 tokens: a hit reaches 3) fills it; C (2 chunks) evicts A's tail, A4 and A3,
-    saved then. A again: the engine still holds A1 and A2, the tier A3 only, and the lookup past the engine's hit
-    serves A3 (from the first chunk, the tier holds no prefix at all)."""
+    saved then. A again: the engine still holds A1 and A2, and of what A asks for (A1-A3) the tier holds A3 only:
+    the lookup past the engine's hit serves A3 (from the first chunk, the tier holds no prefix at all)."""
     a, c = ((1, 2, 3, 4), 40), ((7, 8), 20)
     stats = hitrate.replay_admission(wl(a, c, a), 4, 8, "evict")
     assert (stats.engine_tokens, stats.kvtier_tokens, stats.loaded_chunks) == (20, 10, 1)
+
+
+def test_saving_on_evict_never_saves_a_chunk_the_request_itself_holds() -> None:
+    """Engine 3 blocks holding X1, X2 (X2 oldest) and Y. Z = X1 + two new chunks hits X1 in the engine; computing
+    Z evicts X2 and Y (2 saves). The LRU replay drops X1 too and reinserts it, but vLLM never evicts a block a
+    running request holds: it is not saved."""
+    x, y, z = ((1, 2), 20), ((3,), 10), ((1, 5, 6), 30)
+    stats = hitrate.replay_admission(wl(x, y, z), 3, 8, "evict")
+    assert (stats.engine_tokens, stats.saved_chunks) == (10, 2)
 
 
 def test_the_learned_admission_declines_what_is_never_asked_for_again() -> None:

@@ -235,6 +235,8 @@ def test_openai_server_second_completion_hits_from_kvtier(models: Callable[[str]
         second = _post(f"{server.url}/v1/completions", {**body, "logprobs": 1, "prompt": p["A2"]})
         with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
             metrics = response.read().decode()
+        cores = server.worker_cores()
+    assert cores == sorted(os.sched_getaffinity(0)), cores  # every core, as the reference engines compute on
     assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == HIT
     ref = references("llama")["A2_prefix_cached"]

@@ -6,7 +6,7 @@ Two ways to build the engine's kvtier (benchmarks/soak_halves.py):
 * one store (default): both connector halves over one TieredStore (``KVTierPair``);
 * ``--split``: the halves as vLLM builds them, each role with its own tiers from ``kv_connector_extra_config``,
   the scheduler's directory fed by the WorkerReports; the default policy (write_back, promote on hit). Besides
-  the faults below, the worker's own (records lost from its cpu pool, borrows stalled past its wait bound, Redis
+  the faults below, the worker's own (records lost from its cpu pool, its I/O loop stalled past its wait bound, Redis
   flushed) and faults within waves, every ``--fault-every`` engine steps. ``--model full`` (one full-attention
   KV-cache group) makes loads from the cpu tier synchronous; ``hybrid`` (sliding window, two groups) asynchronous.
 
@@ -70,7 +70,7 @@ class SoakSpec:
     split: bool = False  # each half with its own tiers, as vLLM builds them (the default policy), worker faults
     sliding_window: int | None = 48  # None: one full-attention KV-cache group (loads from cpu are synchronous)
     fault_every: int = 0  # split: a fault within a wave every this many engine steps (0: between waves only)
-    stall_seconds: float = 0.25  # split, one group: a stalled borrow blocks the worker's I/O loop this long
+    stall_seconds: float = 0.25  # split, one group: a loop stall holds the worker's I/O loop this long
     wait_timeout_s: float = 0.05  # split: the worker's wait bound (a synchronous load gives up past it)
     cancel_grace_s: float = 0.05  # split: kvtier.connector.worker.loads.CANCEL_GRACE_S for the run
 
@@ -137,7 +137,7 @@ def wrong_answers(base: RunRecord, other: RunRecord) -> int:
 
 def _injector(spec: SoakSpec, target: Target, server: Any, disk_root: Path) -> FaultInjector:
     worker = None
-    if spec.split:  # borrows happen only in synchronous loads: one KV-cache group
+    if spec.split:  # loop stalls with one KV-cache group, whose cpu loads are synchronous
         stall = spec.stall_seconds if spec.sliding_window is None else 0.0
         worker = WorkerFaults(target.store, target.loop, stall)
     return FaultInjector(spec.seed, disk_root, server, worker)
@@ -171,7 +171,7 @@ def _drive(spec: SoakSpec, waves: list[list[RequestSpec]], target: Target, serve
     return other, {
         "faults_injected": dict(faults.counts), "faults_within_waves": dict(faults.within_counts),
         "records_damaged": dict(faults.damaged), "sync_load_failures": probe.sync_failures,
-        "stalled_borrows": stall.stalled if stall is not None else 0, **end,
+        "loop_stalls": stall.stalled if stall is not None else 0, **end,
         "max_step_seconds": round(max(probe.steps, default=0.0), 4), "soak_seconds": round(time.perf_counter() - t0, 2),
     }
 
@@ -208,7 +208,7 @@ def summary(fig: dict[str, Any]) -> str:
             f"({fig['steps']} steps, {fig['soak_seconds']} s)\n"
             f"faults injected: {faults} (within waves: {within}); records damaged: {fig['records_damaged']}\n"
             f"load errors recovered: {fig['load_errors_recovered']} (synchronous: {fig['sync_load_failures']}); "
-            f"stalled borrows: {fig['stalled_borrows']}; corrupt detected: {fig['corrupt_detected']}; "
+            f"loop stalls: {fig['loop_stalls']}; corrupt detected: {fig['corrupt_detected']}; "
             f"redis errors+timeouts: {fig['redis_errors_and_timeouts']}\n"
             f"hits: {fig['requests_with_hits']} requests, {fig['external_hit_tokens']} tokens, by tier "
             f"{fig['hits_by_tier']}; evictions {fig['evictions']}\n"

@@ -12,8 +12,10 @@ engine's step hook):
 * ``redis_flush``: ``FLUSHALL`` (an operator, or another tenant's script);
 * ``cpu_loss``: records deleted from the worker's cpu pool while the scheduler's directory still lists them: the
   next load of them fails (synchronously when a request's hit lies all in the cpu tier of a one-group model);
-* ``borrow_stall``: the next borrows of the worker's cpu pool block its I/O loop longer than the worker waits
-  for a synchronous load: the load gives up (recomputed), and the borrow that completes later must release itself.
+* ``loop_stall``: the worker's I/O loop is held (a job blocking it) longer than the worker waits for it: a
+  synchronous load from the cpu pool still completes on the engine's thread, while what needs the loop (a read
+  of a record the pool lost, a save awaited within the step) gives up within its bound and is recomputed or
+  dropped.
 """
 
 from __future__ import annotations
@@ -21,61 +23,48 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 KINDS = ("redis_kill", "disk_corrupt", "disk_delete", "redis_corrupt")
-WORKER_KINDS = ("redis_flush", "cpu_loss", "borrow_stall")
-WITHIN = ("redis_kill", "disk_corrupt", "disk_delete", "redis_corrupt", "redis_flush", "cpu_loss", "borrow_stall")
+WORKER_KINDS = ("redis_flush", "cpu_loss", "loop_stall")
+WITHIN = ("redis_kill", "disk_corrupt", "disk_delete", "redis_corrupt", "redis_flush", "cpu_loss", "loop_stall")
 
 
-class BorrowStall:
-    """Wraps a memory tier's ``borrow`` (an instance attribute, removed by ``remove``): each of the next ``arm(n)``
-    calls first blocks the calling thread, the worker's I/O loop, for ``seconds``. Thread-safe."""
+class LoopStall:
+    """Holds the worker's I/O loop: ``arm(n)`` queues ``n`` jobs on it that each block it for ``seconds`` (cut short
+    once ``disarm`` is called). Thread-safe."""
 
-    def __init__(self, tier: Any, seconds: float) -> None:
-        self._tier = tier
-        self._borrow: Callable[[Sequence[bytes]], Any] = tier.borrow
+    def __init__(self, loop: Any, seconds: float) -> None:
+        self._loop = loop
         self.seconds = seconds
-        self._lock = threading.Lock()
-        self._armed = 0
+        self._free = threading.Event()
         self.stalled = 0
-        tier.borrow = self
 
-    def arm(self, calls: int) -> None:
-        with self._lock:
-            self._armed += calls
+    def arm(self, jobs: int) -> None:
+        self._free.clear()
+        for _ in range(jobs):
+            self._loop.loop.call_soon_threadsafe(self._hold)
+
+    def _hold(self) -> None:
+        if not self._free.is_set():
+            self.stalled += 1
+            self._free.wait(self.seconds)
 
     def disarm(self) -> None:
-        with self._lock:
-            self._armed = 0
-
-    def __call__(self, keys: Sequence[bytes]) -> Any:
-        with self._lock:
-            stall = self._armed > 0
-            self._armed -= stall
-            self.stalled += stall
-        if stall:
-            time.sleep(self.seconds)
-        return self._borrow(keys)
-
-    def remove(self) -> None:
-        self.disarm()
-        if self._tier.__dict__.get("borrow") is self:
-            del self._tier.borrow
+        self._free.set()
 
 
 class WorkerFaults:
-    """Faults inside the worker half: its cpu pool loses records, its borrows stall (``stall_seconds`` > 0)."""
+    """Faults inside the worker half: its cpu pool loses records, its I/O loop stalls (``stall_seconds`` > 0)."""
 
     def __init__(self, store: Any, loop: Any, stall_seconds: float) -> None:
         self.pool = store.tier("cpu")
         self.loop = loop
-        self.stall = BorrowStall(self.pool, stall_seconds) if stall_seconds > 0 else None
+        self.stall = LoopStall(loop, stall_seconds) if stall_seconds > 0 else None
 
     def lose(self, rng: random.Random) -> int:
         """Delete 1-4 random records of the pool; how many went. Both on the worker's I/O loop, which alone changes
@@ -88,15 +77,14 @@ class WorkerFaults:
         return int(self.loop.run(self.pool.delete(victims))) if victims else 0
 
     def settle(self) -> None:
-        """Stop stalling and let the I/O loop run what is queued (late borrows release themselves, queued releases
-        run): a job submitted now runs after them."""
+        """Stop stalling and let the I/O loop run what is queued: a job submitted now runs after it."""
         if self.stall is not None:
             self.stall.disarm()
         self.loop.run(asyncio.sleep(0.01))
 
     def close(self) -> None:
         if self.stall is not None:
-            self.stall.remove()
+            self.stall.disarm()
 
 
 class FaultInjector:
@@ -118,7 +106,7 @@ class FaultInjector:
         self._down = False
 
     def _applies(self, kind: str) -> bool:
-        return kind != "borrow_stall" or (self.worker is not None and self.worker.stall is not None)
+        return kind != "loop_stall" or (self.worker is not None and self.worker.stall is not None)
 
     def __call__(self, wave: int, _pair: object = None) -> None:
         self._restart()
@@ -209,7 +197,7 @@ class FaultInjector:
         assert self.worker is not None
         self.damaged["cpu_lost"] += self.worker.lose(self.rng)
 
-    def borrow_stall(self) -> None:
+    def loop_stall(self) -> None:
         assert self.worker is not None and self.worker.stall is not None
         self.worker.stall.arm(self.rng.randint(1, 3))
 

@@ -110,4 +110,4 @@ def test_the_guarantees_summary_links_the_sections_of_the_guarantees_page() -> N
     assert len(rows) >= 8
     anchors = [re.findall(r"\]\(docs/guarantees\.md#([\w-]+)\)", section) for _promise, section in rows]
     assert all(len(a) == 1 for a in anchors) and len({a[0] for a in anchors}) == len(rows)
-    assert {"a-load-that-fails-a-borrow-that-stalls", "isolation-and-security"} <= {a[0] for a in anchors}
+    assert {"a-load-that-fails-an-io-loop-that-stalls", "isolation-and-security"} <= {a[0] for a in anchors}

@@ -153,8 +153,8 @@ class PhaseTimer:
             self._wrap(worker, name, "worker")
         half = worker._work()
         self._wrap(half._kv, "scatter", "copy", count_bytes=True)
-        for name in ("read", "borrow"):
-            self._wrap_read(half.store, name)
+        self._wrap_read(half.store)
+        self._wrap_borrow(half.store)
 
     def begin(self) -> None:
         """Forget what the previous request recorded."""
@@ -184,8 +184,8 @@ class PhaseTimer:
 
         setattr(owner, name, timed)
 
-    def _wrap_read(self, store: Any, name: str) -> None:
-        method = getattr(store, name)
+    def _wrap_read(self, store: Any) -> None:
+        method = store.read
 
         async def timed(tier: str, keys: Sequence[Any]) -> Any:
             start = time.perf_counter()
@@ -193,9 +193,23 @@ class PhaseTimer:
                 return await method(tier, keys)
             finally:
                 self._note("medium", start)
-                self.reads.append((tier, list(keys), name == "borrow"))
+                self.reads.append((tier, list(keys), False))
 
-        setattr(store, name, timed)
+        store.read = timed
+
+    def _wrap_borrow(self, store: Any) -> None:
+        """A memory tier's lending, on the engine's thread (what it cannot lend is read: ``_wrap_read``)."""
+        method = store.borrow
+
+        def timed(tier: str, keys: Sequence[Any]) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(tier, keys)
+            finally:
+                self._note("medium", start)
+                self.reads.append((tier, list(keys), True))
+
+        store.borrow = timed
 
     def breakdown(self, start: float, end: float) -> dict[str, Any]:
         """The phases (seconds) of the request run from ``start`` to its first token at ``end``."""
@@ -233,10 +247,10 @@ def medium_alone(reads: Sequence[tuple[str, list[Any], bool]], repeats: int = 5)
         t = time.perf_counter()
         payloads: list[torch.Tensor] = []
         for tier, keys, borrowed in reads:
-            got = run(store.borrow(tier, keys) if borrowed else store.read(tier, keys))
+            got = store.borrow(tier, keys) if borrowed else run(store.read(tier, keys))
             payloads += [p for p in got if p is not None]
             if borrowed:
-                run(store.release(tier, keys))
+                store.release(tier, keys)
         read_s.append(time.perf_counter() - t)
         targets = [torch.empty_like(p) for p in payloads]
         t = time.perf_counter()

@@ -315,26 +315,17 @@ class TieredStore:
         """Copy records into caller buffers (contiguous, the record's byte size); False for a miss."""
         return await self._tiers[tier].get_into(items)
 
-    async def borrow(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None]:
-        """Records to read without copying them first: a memory tier lends zero-copy views, pinned (their bytes
-        stay valid) until ``release``; records it cannot lend, and other tiers' records, come from ``get``.
-        Always pair with ``release(tier, keys)``, which must run on the same event loop."""
+    def borrow(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        """Records to read without copying them first, on the caller's thread (no I/O loop): a memory tier lends
+        zero-copy views, pinned (their bytes stay valid) until ``release``. None where nothing is lent (a miss, a
+        record the tier cannot lend, a tier that lends nothing): ``read`` those. Always pair with
+        ``release(tier, keys)``."""
         target = self._tiers[tier]
         if not isinstance(target, Borrowing):
-            return await target.get(keys)
-        values = target.borrow(keys)
-        missing = [i for i, v in enumerate(values) if v is None]
-        if missing:
-            try:
-                got = await target.get([keys[i] for i in missing])
-            except BaseException:
-                target.release(keys)
-                raise
-            for i, value in zip(missing, got, strict=True):
-                values[i] = value
-        return values
+            return [None] * len(keys)
+        return target.borrow(keys)
 
-    async def release(self, tier: str, keys: Sequence[Key]) -> None:
+    def release(self, tier: str, keys: Sequence[Key]) -> None:
         """End a ``borrow``: the views it lent may be overwritten from now on."""
         target = self._tiers[tier]
         if isinstance(target, Borrowing):

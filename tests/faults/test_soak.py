@@ -2,7 +2,7 @@
 hit them (benchmarks/soak.py: Redis killed and restarted, disk and Redis records corrupted or removed, quota
 pressure), with both halves over one store, and with the halves split as vLLM builds them (each its own tiers, the
 directory fed by the worker reports, the default policy) under the worker's faults too (cpu records lost behind the
-directory's back, borrows stalled past the worker's wait, Redis flushed), between waves and within them. The long
+directory's back, its I/O loop stalled past the worker's wait, Redis flushed), between waves and within them. The long
 runs are ``test_long_soak`` / ``test_long_split_soak`` (slow) or ``python benchmarks/soak.py [--split]``."""
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ MODELS = {"full-attention": None, "hybrid": 48}  # one group: cpu loads synchron
 
 def split_spec(soak: ModuleType, model: str, waves: int, seed: int) -> Any:
     """The split soak's sizes (``SPLIT_SIZES``): recent prompts come back, so that a chunk computed on top of a
-    failed load is hit while still cached. On a35606b (before issue 31's fixes) the full-attention run fails every
-    time on the pins its stalled borrows leak (16); with stalls off, 12, 4 and 0 of its 144 answers were wrong in
-    three runs (0-2 without ``recent``)."""
+    failed load is hit while still cached. On a35606b (before issue 31's fixes) the full-attention run failed every
+    time on the pins its stalled borrows leaked (16; a borrow no longer goes through the I/O loop); with stalls
+    off, 12, 4 and 0 of its 144 answers were wrong in three runs (0-2 without ``recent``)."""
     return soak.SoakSpec(waves=waves, requests=6, seed=seed, split=True, sliding_window=MODELS[model], fault_every=7,
                          **soak.SPLIT_SIZES)
 
@@ -78,14 +78,14 @@ def check_split(soak: ModuleType, fig: dict[str, Any], caplog: pytest.LogCapture
     error (a stalled load's task once ended in an exception nobody retrieved: a traceback per stall)."""
     sync = fig["groups"] == 1
     kinds = fig["faults_injected"]
-    check(fig, (*soak.KINDS, *(k for k in soak.WORKER_KINDS if sync or k != "borrow_stall")))
+    check(fig, (*soak.KINDS, *(k for k in soak.WORKER_KINDS if sync or k != "loop_stall")))
     assert fig["mode"] == "split halves" and fig["policy"] == asdict(PolicyConfig()), fig["policy"]  # the default
     assert sum(fig["faults_within_waves"].values()) >= fig["waves"] // 2, fig["faults_within_waves"]
     assert fig["records_damaged"]["cpu_lost"] > 0 and kinds["redis_flush"] > 0
-    if sync:  # synchronous loads failed (records lost, waits given up), borrows stalled and released
-        assert fig["sync_load_steps"] > 0 and fig["sync_load_failures"] > 0 and fig["stalled_borrows"] > 0
+    if sync:  # synchronous loads failed (records lost, waits for a stalled loop given up)
+        assert fig["sync_load_steps"] > 0 and fig["sync_load_failures"] > 0 and fig["loop_stalls"] > 0
     else:
-        assert (fig["sync_load_steps"], fig["stalled_borrows"]) == (0, 0)
+        assert (fig["sync_load_steps"], fig["loop_stalls"]) == (0, 0)
     gc.collect()  # a task's unretrieved exception is logged when the task is collected
     unretrieved = [r.getMessage() for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
     assert not unretrieved, unretrieved[:3]

@@ -156,7 +156,12 @@ async def test_read_into_and_borrow_equal_read(tmp_path: Path, tier: str) -> Non
     read = await store.read(tier, keys)
     outs = [torch.zeros(SHAPE) for _ in keys]
     assert await store.read_into(tier, list(zip(keys, outs, strict=True))) == [True, True, True, False]
-    borrowed = await store.borrow(tier, keys)
+    borrowed = store.borrow(tier, keys)
+    if tier == "disk":  # only a memory tier lends views: a reader reads the rest
+        assert borrowed == [None] * 4
+        store.release(tier, keys)
+        await store.close()
+        return
     assert borrowed[3] is None and read[3] is None
     for (_, want), r, out, b in zip(items, read[:3], outs[:3], borrowed[:3], strict=True):
         assert r is not None and b is not None and torch.equal(r, want) and torch.equal(out, want)
@@ -165,9 +170,8 @@ async def test_read_into_and_borrow_equal_read(tmp_path: Path, tier: str) -> Non
     assert await store.delete(tier, keys[:1]) == 1
     assert await store.write(tier, chunks(3, seed=100)) == [True] * 3
     assert borrowed[0] is not None and torch.equal(borrowed[0], items[0][1])
-    await store.release(tier, keys)
-    if tier == "cpu":
-        assert store.tier("cpu").pool.pinned() == 0  # type: ignore[attr-defined]
+    store.release(tier, keys)
+    assert store.tier("cpu").pool.pinned() == 0  # type: ignore[attr-defined]
     await store.close()
 
 

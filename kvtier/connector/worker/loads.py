@@ -2,9 +2,9 @@
 blocks. Decides nothing.
 
 Lifecycle, per engine step (``WorkerHalf.start_load_kv`` / ``get_finished``):
-    start(loads)      synchronous loads run now, one copy per byte: memory tiers lend pinned views, scattered
-                      straight into the blocks; once the device consumed them their release is queued on the
-                      I/O loop (not awaited); asynchronous loads start their reads on the I/O loop, each
+    start(loads)      synchronous loads run now, on the engine's thread, one copy per byte: memory tiers lend
+                      pinned views, scattered straight into the blocks and released once the device consumed
+                      them; asynchronous loads start their reads on the I/O loop, each
                       after this worker's save job writing its records, if one is queued or running
                       (``SaveQueue.landed``: the scheduler serves chunks whose writes are still in flight)
     fail(loads)       (kvtier disabled) every planned load fails: the engine recomputes those blocks
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,7 +32,6 @@ from kvtier.connector.worker.engine_kv import EngineKV
 from kvtier.control.metrics import WorkerCounters
 from kvtier.layout.geometry import NULL_BLOCK
 from kvtier.records.keys import Key
-from kvtier.tiers.base import Borrowing
 from kvtier.tiers.runtime import LoopThread
 
 if TYPE_CHECKING:
@@ -75,37 +73,6 @@ class GroupLoad:
         self.chunks.append((spec, key))
         self.per_tier[tier] = self.per_tier.get(tier, 0) + 1
         self.nbytes += payload.numel() * payload.element_size()
-
-
-class Borrowed:
-    """What one synchronous load borrowed, released exactly once: by the engine's thread after its copies, or, once
-    the engine's thread stopped waiting (``abandon``), by the I/O loop as each late borrow completes. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._items: list[tuple[str, list[Key]]] = []
-        self._abandoned = False
-
-    def add(self, tier: str, keys: list[Key]) -> bool:
-        """Keep a completed borrow; False when the engine's thread gave up waiting (the caller releases it now)."""
-        with self._lock:
-            if self._abandoned:
-                return False
-            self._items.append((tier, keys))
-            return True
-
-    def take(self) -> list[tuple[str, list[Key]]]:
-        """The borrows not released yet, each handed out once."""
-        with self._lock:
-            items, self._items = self._items, []
-            return items
-
-    def abandon(self) -> list[tuple[str, list[Key]]]:
-        """The engine's thread stops waiting: what was borrowed so far (to release); later borrows release
-        themselves."""
-        with self._lock:
-            self._abandoned = True
-        return self.take()
 
 
 class LoadPath:
@@ -150,46 +117,44 @@ class LoadPath:
                 self.recving[spec.req_id] = ([], done([]))
 
     def _load_now(self, specs: Sequence[LoadSpec]) -> None:
-        """Synchronous loads, one copy per byte: memory tiers lend pinned views that are scattered straight into
-        the blocks, then released on the I/O loop (after the device has consumed them; not awaited)."""
-        borrowed = Borrowed()
+        """Synchronous loads, one copy per byte: memory tiers lend pinned views on the engine's thread (no hand-off
+        to the I/O loop: a memory tier is thread-safe), scattered straight into the blocks and released once the
+        device has consumed them."""
+        lent: list[tuple[str, list[Key]]] = []
         try:
-            results = self.run_bounded(self._borrow_all(specs, borrowed))
+            results = self._lend_all(specs, lent)
         except Exception as exc:  # a dead or stuck tier fails the load, not the engine
             logger.warning("synchronous load failed: %r", exc)
             results = [[None] * len(s.keys) for s in specs]
-            lent = borrowed.abandon()  # borrows completing later (the loop may still run them) release themselves
-            if lent:
-                self._release_later(lent)
         try:
             self.apply(specs, results)
         finally:
             self._kv.sync_devices()  # queued device copies may still read the borrowed views
-            lent = borrowed.take()
-            if lent:
-                self._release_later(lent)
+            for tier, keys in lent:
+                self._release(tier, keys)
 
-    def _release_later(self, borrowed: list[tuple[str, list[Key]]]) -> None:
-        """Release borrowed views on the I/O loop without waiting: the copies that read them are done (and the
-        slots stay pinned until the release runs, so nothing overwrites them meanwhile), and a second wait on the
-        loop cost the step ~1.3 ms (measured in vLLM's CPU engine, 2048-token hit). A plain callback, not a task:
-        it runs in order before any later job, and before the loop stops (a task scheduled just before ``close``
-        would be dropped unawaited). A loop already closed releases nothing."""
+    def _lend_all(self, specs: Sequence[LoadSpec], lent: list[tuple[str, list[Key]]]) -> list[Reads]:
+        """What each spec's tier lends (kept in ``lent``, to release); what it does not lend (a record in several
+        runs of a memory tier, another kind of tier) is read on the I/O loop, bounded."""
+        out: list[Reads] = []
+        for spec in specs:
+            keys = [self._kv.key(spec.group, k) for k in spec.keys]
+            values = self.store.borrow(spec.tier, keys)
+            lent.append((spec.tier, keys))
+            rest = [i for i, v in enumerate(values) if v is None]
+            if rest:
+                got = self.run_bounded(self.store.read(spec.tier, [keys[i] for i in rest]))
+                for i, value in zip(rest, got, strict=True):
+                    values[i] = value
+            out.append(values)
+        return out
+
+    def _release(self, tier: str, keys: list[Key]) -> None:
+        """End a borrow; a release that fails is logged, never reaches the engine."""
         try:
-            self._loop.loop.call_soon_threadsafe(self._release_now, borrowed)
-        except RuntimeError:  # the loop is closed (shutdown): its pools go with it
-            logger.debug("I/O loop closed: %d borrowed batch(es) not released", len(borrowed))
-
-    def _release_now(self, borrowed: Sequence[tuple[str, list[Key]]]) -> None:
-        """On the I/O loop: end the borrows (a memory tier's ``release`` is synchronous). A release that fails is
-        logged, never reaches the engine."""
-        for tier, keys in borrowed:
-            target = self.store.tier(tier)
-            try:
-                if isinstance(target, Borrowing):
-                    target.release(keys)
-            except Exception as exc:
-                logger.warning("releasing %d borrowed view(s) of %s failed: %r", len(keys), tier, exc)
+            self.store.release(tier, keys)
+        except Exception as exc:
+            logger.warning("releasing %d borrowed view(s) of %s failed: %r", len(keys), tier, exc)
 
     def _submit(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> concurrent.futures.Future[T]:
         """Start ``coro`` on the I/O loop, bounded by ``timeout_s``; a loop already closed raises ``RuntimeError``
@@ -211,32 +176,6 @@ class LoadPath:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"I/O did not finish within {self.wait_timeout_s + CANCEL_GRACE_S:.1f}s") from None
-
-    async def _borrow_all(self, specs: Sequence[LoadSpec], borrowed: Borrowed) -> list[Reads]:
-        """Like ``_read_all``, but memory tiers lend views, kept in ``borrowed`` for the engine's thread to release;
-        on error, or once the engine's thread gave up waiting, they are released here."""
-        out: list[Reads] = []
-        try:
-            for spec in specs:
-                keys = [self._kv.key(spec.group, k) for k in spec.keys]
-                if self.store.tier(spec.tier).is_memory:
-                    values = await self.store.borrow(spec.tier, keys)
-                    if not borrowed.add(spec.tier, keys):
-                        # the engine's thread stopped waiting: nobody reads this result (an exception raised here
-                        # would be logged by asyncio as never retrieved, a traceback per stall), so stop quietly
-                        await self.store.release(spec.tier, keys)
-                        return []
-                    out.append(values)
-                else:
-                    out.append(await self.store.read(spec.tier, keys))
-        except BaseException:
-            await self._release_all(borrowed.take())
-            raise
-        return out
-
-    async def _release_all(self, borrowed: Sequence[tuple[str, list[Key]]]) -> None:
-        for tier, keys in borrowed:
-            await self.store.release(tier, keys)
 
     async def _read_all(self, specs: Sequence[LoadSpec]) -> list[Reads]:
         return list(await asyncio.gather(*(self._read_landed(s) for s in specs)))

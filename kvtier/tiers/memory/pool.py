@@ -11,8 +11,10 @@ The pool is split into slots of ``slot_bytes`` (from the config, or the first re
 4 KiB). A record of n bytes takes ceil(n / slot) slots, contiguous when a run that long is free, several runs
 otherwise; one ``copy_`` per run, no per-element work. Used bytes are whole slots, so capacity is never
 exceeded. Deleting (or overwriting) a pinned record hides it at once but frees its slots only at the last
-``unpin``: a reader holding a ``view`` of it keeps valid bytes. Not thread-safe: use a pool from one thread
-(the tier's event loop).
+``unpin``: a reader holding a ``view`` of it keeps valid bytes. A ``SlotPool`` is not thread-safe; its
+``PoolTier`` is: one lock around every call, so the engine's thread borrows and releases records while the I/O
+loop writes others (a borrow waits at most for a write's copy in progress, as a job queued behind it on the loop
+would).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class PoolTier(Tier):
                  pin_memory: bool = False) -> None:
         super().__init__(name, capacity)
         self.pool = SlotPool(capacity, device, slot_bytes, pin_memory)
+        self._lock = threading.Lock()  # every use of the pool and of the stats (see the module docstring)
 
     async def start(self) -> None:
         """Reserve the pool (off the event loop: pinned and device pools are allocated whole and zeroed, which
@@ -80,25 +83,27 @@ class PoolTier(Tier):
 
     async def close(self) -> None:
         """Drop every record and the buffer. Idempotent."""
-        self.pool.release()
+        with self._lock:
+            self.pool.release()
 
     async def contains(self, keys: Sequence[Key]) -> list[bool]:
-        found = [k in self.pool for k in keys]
-        self._stats.lookups += len(found)
-        self._stats.hits += sum(found)
+        with self._lock:
+            found = [k in self.pool for k in keys]
+            self._stats.lookups += len(found)
+            self._stats.hits += sum(found)
         return found
 
     async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
-        with Timer(self._stats, "get_seconds"):
+        with self._lock, Timer(self._stats, "get_seconds"):
             out = self.pool.get_many(keys)
-        self._count_gets([t.numel() * t.element_size() if t is not None else None for t in out])
+            self._count_gets([t.numel() * t.element_size() if t is not None else None for t in out])
         return out
 
     async def get_into(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
         """Copy records into caller buffers (no allocation); False for a miss."""
-        with Timer(self._stats, "get_seconds"):
+        with self._lock, Timer(self._stats, "get_seconds"):
             found = self.pool.read_many(items)
-        self._count_gets([self.pool.nbytes(k) if ok else None for (k, _), ok in zip(items, found, strict=True)])
+            self._count_gets([self.pool.nbytes(k) if ok else None for (k, _), ok in zip(items, found, strict=True)])
         return found
 
     def _count_gets(self, sizes: Sequence[int | None]) -> None:
@@ -109,19 +114,21 @@ class PoolTier(Tier):
 
     async def put(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
         """Store copies; ``puts`` counts stored records, ``puts_refused`` the ones that did not fit."""
-        with Timer(self._stats, "put_seconds"):
-            done = self.pool.put_many(items)
-        for (_, t), ok in zip(items, done, strict=True):
-            if ok:
-                self._stats.puts += 1
-                self._stats.bytes_in += t.numel() * t.element_size()
-            else:
-                self._stats.puts_refused += 1
+        with self._lock:
+            with Timer(self._stats, "put_seconds"):
+                done = self.pool.put_many(items)
+            for (_, t), ok in zip(items, done, strict=True):
+                if ok:
+                    self._stats.puts += 1
+                    self._stats.bytes_in += t.numel() * t.element_size()
+                else:
+                    self._stats.puts_refused += 1
         return done
 
     async def delete(self, keys: Sequence[Key]) -> int:
-        n = sum(self.pool.delete(k) for k in keys)
-        self._stats.deletes += n
+        with self._lock:
+            n = sum(self.pool.delete(k) for k in keys)
+            self._stats.deletes += n
         return n
 
     def used_bytes(self) -> int:
@@ -136,23 +143,28 @@ class PoolTier(Tier):
 
     def pin(self, keys: Iterable[Key]) -> None:
         """Keep the slots of these keys valid (for ``view`` readers) until ``unpin``."""
-        self.pool.pin(keys)
+        with self._lock:
+            self.pool.pin(keys)
 
     def unpin(self, keys: Iterable[Key]) -> None:
-        self.pool.unpin(keys)
+        with self._lock:
+            self.pool.unpin(keys)
 
     def view(self, key: Key) -> torch.Tensor | None:
         """Zero-copy view of a record (see ``SlotPool.view``); pin the key while using it."""
-        return self.pool.view(key)
+        with self._lock:
+            return self.pool.view(key)
 
     def borrow(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
         """Pin every key and return zero-copy views (None: a miss, or a record split over several runs; read
-        those with ``get``). Counted as gets. Valid until ``release(keys)``."""
-        self.pool.pin(keys)
-        views = [self.pool.view(k) for k in keys]
-        self._count_gets([self.pool.nbytes(k) for k, v in zip(keys, views, strict=True) if v is not None])
+        those with ``get``). Counted as gets. Valid until ``release(keys)``. Any thread may call it."""
+        with self._lock:
+            self.pool.pin(keys)
+            views = [self.pool.view(k) for k in keys]
+            self._count_gets([self.pool.nbytes(k) for k, v in zip(keys, views, strict=True) if v is not None])
         return views
 
     def release(self, keys: Sequence[Key]) -> None:
-        """End a ``borrow`` of these keys (unpins them)."""
-        self.pool.unpin(keys)
+        """End a ``borrow`` of these keys (unpins them). Any thread may call it."""
+        with self._lock:
+            self.pool.unpin(keys)

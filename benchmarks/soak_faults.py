@@ -67,8 +67,8 @@ class WorkerFaults:
         self.stall = LoopStall(loop, stall_seconds) if stall_seconds > 0 else None
 
     def lose(self, rng: random.Random) -> int:
-        """Delete 1-4 random records of the pool; how many went. Both on the worker's I/O loop, which alone changes
-        the pool."""
+        """Delete 1-4 random records of the pool; how many went. Both on the worker's I/O loop, which alone stores
+        and deletes records (the engine's thread only pins them)."""
         async def keys() -> list[bytes]:
             return sorted(self.pool.pool.keys())
 

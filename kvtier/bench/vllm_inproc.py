@@ -203,11 +203,14 @@ class PhaseTimer:
 
         def timed(tier: str, keys: Sequence[Any]) -> Any:
             start = time.perf_counter()
+            lent = None
             try:
-                return method(tier, keys)
+                lent = method(tier, keys)
+                return lent
             finally:
                 self._note("medium", start)
-                self.reads.append((tier, list(keys), True))
+                if lent is not None:  # else the tier lends nothing: it is read
+                    self.reads.append((tier, list(keys), True))
 
         store.borrow = timed
 
@@ -248,7 +251,7 @@ def medium_alone(reads: Sequence[tuple[str, list[Any], bool]], repeats: int = 5)
         payloads: list[torch.Tensor] = []
         for tier, keys, borrowed in reads:
             got = store.borrow(tier, keys) if borrowed else run(store.read(tier, keys))
-            payloads += [p for p in got if p is not None]
+            payloads += [p for p in got or () if p is not None]
             if borrowed:
                 store.release(tier, keys)
         read_s.append(time.perf_counter() - t)

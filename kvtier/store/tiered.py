@@ -315,15 +315,12 @@ class TieredStore:
         """Copy records into caller buffers (contiguous, the record's byte size); False for a miss."""
         return await self._tiers[tier].get_into(items)
 
-    def borrow(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+    def borrow(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None] | None:
         """Records to read without copying them first, on the caller's thread (no I/O loop): a memory tier lends
-        zero-copy views, pinned (their bytes stay valid) until ``release``. None where nothing is lent (a miss, a
-        record the tier cannot lend, a tier that lends nothing): ``read`` those. Always pair with
-        ``release(tier, keys)``."""
+        zero-copy views, pinned (their bytes stay valid) until ``release``; None for a miss. None for a tier that
+        lends nothing: ``read`` it. Pair every list returned with ``release(tier, keys)``."""
         target = self._tiers[tier]
-        if not isinstance(target, Borrowing):
-            return [None] * len(keys)
-        return target.borrow(keys)
+        return target.borrow(keys) if isinstance(target, Borrowing) else None
 
     def release(self, tier: str, keys: Sequence[Key]) -> None:
         """End a ``borrow``: the views it lent may be overwritten from now on."""

@@ -115,8 +115,9 @@ class Tier(ABC):
 
 @runtime_checkable
 class Borrowing(Protocol):
-    """A tier that lends zero-copy views of its records (memory tiers): ``borrow`` pins the keys and returns
-    views (None where it cannot lend one: read those with ``get``); they stay valid until ``release``."""
+    """A tier that lends its records without a copy (memory tiers), to any thread: ``borrow`` pins the keys and
+    returns zero-copy views (a copy where a record cannot be viewed whole, None for a miss); they stay valid until
+    ``release``."""
 
     def borrow(self, keys: Sequence[Key]) -> list[torch.Tensor | None]: ...
 

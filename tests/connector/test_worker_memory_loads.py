@@ -47,6 +47,31 @@ def test_a_memory_load_does_not_wait_for_a_busy_io_loop() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_record_the_memory_tier_lost_fails_at_once_and_alone_while_the_io_loop_is_busy() -> None:
+    kv = paged(6)
+    layers = [kv[n] for n in KCC.kv_cache_groups[0].layer_names]
+    data = gather(layers, [(1, 2), (3, 4)], KVLayout.KV_FIRST)
+    tier = CpuTier(CpuTierConfig("cpu", 64 * data[0].nbytes))
+    worker, loop = bounded_worker(tier, kv)
+    busy, free = threading.Event(), threading.Event()
+    try:
+        loop.run(tier.put([(CHUNK_KEYS[0], data[0].contiguous())]))  # the second chunk is lost
+        loop.loop.call_soon_threadsafe(lambda: (busy.set(), free.wait(STALL_S)))
+        assert busy.wait(5)
+        t0 = time.monotonic()
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
+        assert time.monotonic() - t0 < STALL_S / 2  # a miss is a miss: no read on the loop is waited for
+        assert worker.get_block_ids_with_load_errors() == {23, 24}
+        for n in kv:
+            assert torch.equal(kv[n][:, [21, 22]], kv[n][:, [1, 2]])
+        assert tier.pool.pinned() == 0
+    finally:
+        free.set()
+        worker.close()
+        loop.close()
+
+
+@pytest.mark.timeout(60)
 def test_borrows_on_one_thread_while_the_loop_writes_and_deletes_see_only_whole_records() -> None:
     """Another thread borrows and releases while the I/O loop overwrites, deletes and writes records in the same
     slots: every lent view holds its record's bytes until released, and no pin or slot is left over."""

@@ -208,6 +208,45 @@ async def test_borrowed_views_stay_valid_until_released() -> None:
     assert used == 21 * 4096 and tier.used_bytes() == 0  # the deferred slots were freed at release
 
 
+async def test_a_record_split_over_runs_is_borrowed_as_a_copy_and_a_busy_pool_lends_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``borrow`` answers every key on the caller's thread: a view, a copy of a record stored in several runs of
+    slots, None for a miss; a pool another thread holds past ``BORROW_WAIT_S`` raises and pins nothing."""
+    import threading
+
+    import kvtier.tiers.memory.pool as pool_module
+
+    tier = await started(4 * 4096, slot_bytes=4096)
+    await tier.put([(key(i), rand((1024,), seed=i)) for i in range(4)])
+    await tier.delete([key(1), key(3)])
+    split = rand((2048,), seed=9)  # two slots, and no two free slots are adjacent
+    assert await tier.put([(key(4), split)]) == [True]
+    assert tier.view(key(4)) is None
+    got = tier.borrow([key(4), key(0), key(1)])
+    assert got[0] is not None and got[1] is not None and got[2] is None
+    assert_same(got[0], split)
+    tier.release([key(4), key(0), key(1)])
+    assert tier.pool.pinned() == 0
+    monkeypatch.setattr(pool_module, "BORROW_WAIT_S", 0.05)
+    held, free = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with tier._lock:
+            held.set()
+            free.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        with pytest.raises(TimeoutError):
+            tier.borrow([key(0)])
+    finally:
+        free.set()
+        holder.join()
+    assert tier.pool.pinned() == 0
+
+
 async def test_get_reuses_memory_of_dropped_results_only() -> None:
     tier = await started(1 << 20)
     await tier.put([(key(0), rand((4096,), seed=1)), (key(1), rand((4096,), seed=2))])

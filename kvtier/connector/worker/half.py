@@ -81,7 +81,7 @@ class WorkerHalf:
 
     @property
     def wait_timeout_s(self) -> float:
-        """The longest blocking wait of the engine's thread on the I/O loop (loads, releases, saves)."""
+        """The longest blocking wait of the engine's thread on the I/O loop (loads, saves)."""
         return self._loads.wait_timeout_s
 
     @wait_timeout_s.setter

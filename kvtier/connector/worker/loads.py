@@ -44,9 +44,9 @@ logger = logging.getLogger(__name__)
 Reads = list["torch.Tensor | None"]
 T = TypeVar("T")
 
-WAIT_TIMEOUT_S = 5.0  # longest blocking wait of the engine's thread on the I/O loop (loads, releases, saves)
+WAIT_TIMEOUT_S = 5.0  # longest blocking wait of the engine's thread on the I/O loop (loads, saves)
 ASYNC_LOAD_TIMEOUT_S = 30.0  # an asynchronous load that takes longer fails (its blocks become load errors)
-CANCEL_GRACE_S = 1.0  # extra wait for a timed-out coroutine to unwind (release what it borrowed)
+CANCEL_GRACE_S = 1.0  # extra wait for a timed-out coroutine to unwind
 
 
 def done(value: T) -> concurrent.futures.Future[T]:
@@ -122,32 +122,30 @@ class LoadPath:
         device has consumed them."""
         lent: list[tuple[str, list[Key]]] = []
         try:
-            results = self._lend_all(specs, lent)
-        except Exception as exc:  # a dead or stuck tier fails the load, not the engine
-            logger.warning("synchronous load failed: %r", exc)
-            results = [[None] * len(s.keys) for s in specs]
-        try:
+            try:
+                results = [self._lend(spec, lent) for spec in specs]
+            except Exception as exc:  # a bug, not a medium: fail the loads, not the engine
+                logger.warning("synchronous load failed: %r", exc)
+                results = [[None] * len(s.keys) for s in specs]
             self.apply(specs, results)
         finally:
             self._kv.sync_devices()  # queued device copies may still read the borrowed views
             for tier, keys in lent:
                 self._release(tier, keys)
 
-    def _lend_all(self, specs: Sequence[LoadSpec], lent: list[tuple[str, list[Key]]]) -> list[Reads]:
-        """What each spec's tier lends (kept in ``lent``, to release); what it does not lend (a record in several
-        runs of a memory tier, another kind of tier) is read on the I/O loop, bounded."""
-        out: list[Reads] = []
-        for spec in specs:
-            keys = [self._kv.key(spec.group, k) for k in spec.keys]
+    def _lend(self, spec: LoadSpec, lent: list[tuple[str, list[Key]]]) -> Reads:
+        """What ``spec``'s tier lends (kept in ``lent``, to release; None for a miss); a tier that lends nothing is
+        read on the I/O loop, bounded. A tier that fails or stays busy past its bound fails this spec alone."""
+        keys = [self._kv.key(spec.group, k) for k in spec.keys]
+        try:
             values = self.store.borrow(spec.tier, keys)
-            lent.append((spec.tier, keys))
-            rest = [i for i, v in enumerate(values) if v is None]
-            if rest:
-                got = self.run_bounded(self.store.read(spec.tier, [keys[i] for i in rest]))
-                for i, value in zip(rest, got, strict=True):
-                    values[i] = value
-            out.append(values)
-        return out
+            if values is None:
+                return self.run_bounded(self.store.read(spec.tier, keys))
+        except Exception as exc:  # a dead, stuck or busy tier fails the load, not the engine
+            logger.warning("synchronous load from %s failed: %r", spec.tier, exc)
+            return [None] * len(keys)
+        lent.append((spec.tier, keys))
+        return values
 
     def _release(self, tier: str, keys: list[Key]) -> None:
         """End a borrow; a release that fails is logged, never reaches the engine."""

@@ -13,8 +13,8 @@ otherwise; one ``copy_`` per run, no per-element work. Used bytes are whole slot
 exceeded. Deleting (or overwriting) a pinned record hides it at once but frees its slots only at the last
 ``unpin``: a reader holding a ``view`` of it keeps valid bytes. A ``SlotPool`` is not thread-safe; its
 ``PoolTier`` is: one lock around every call, so the engine's thread borrows and releases records while the I/O
-loop writes others (a borrow waits at most for a write's copy in progress, as a job queued behind it on the loop
-would).
+loop writes, reads and deletes others. A borrow waits for the call in progress (a batch's copies: memory speed,
+no I/O), at most ``BORROW_WAIT_S``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.memory.slots import SlotPool
 
 log = logging.getLogger(__name__)
+
+BORROW_WAIT_S = 5.0  # the longest a borrow waits for another thread's call on the pool (then it lends nothing)
 
 
 def run_in_short_lived_thread(fn: Callable[[], None]) -> None:
@@ -156,13 +158,26 @@ class PoolTier(Tier):
             return self.pool.view(key)
 
     def borrow(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
-        """Pin every key and return zero-copy views (None: a miss, or a record split over several runs; read
-        those with ``get``). Counted as gets. Valid until ``release(keys)``. Any thread may call it."""
-        with self._lock:
+        """Pin every key and return its record without a copy where the pool can lend one: a zero-copy view, a copy
+        for a record split over several runs of slots, None for a miss. Counted as gets. Valid until
+        ``release(keys)``. Any thread may call it; ``TimeoutError`` (nothing pinned) when another thread's call
+        holds the pool past ``BORROW_WAIT_S``."""
+        if not self._lock.acquire(timeout=BORROW_WAIT_S):
+            raise TimeoutError(f"tier {self.name!r}: the pool stayed busy past {BORROW_WAIT_S:.1f}s")
+        try:
             self.pool.pin(keys)
-            views = [self.pool.view(k) for k in keys]
-            self._count_gets([self.pool.nbytes(k) for k, v in zip(keys, views, strict=True) if v is not None])
-        return views
+            try:
+                values = [self.pool.view(k) for k in keys]
+                split = [i for i, v in enumerate(values) if v is None and keys[i] in self.pool]
+                for i, value in zip(split, self.pool.get_many([keys[i] for i in split]), strict=True):
+                    values[i] = value
+                self._count_gets([v.numel() * v.element_size() if v is not None else None for v in values])
+            except BaseException:
+                self.pool.unpin(keys)
+                raise
+            return values
+        finally:
+            self._lock.release()
 
     def release(self, keys: Sequence[Key]) -> None:
         """End a ``borrow`` of these keys (unpins them). Any thread may call it."""

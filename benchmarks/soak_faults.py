@@ -13,9 +13,8 @@ engine's step hook):
 * ``cpu_loss``: records deleted from the worker's cpu pool while the scheduler's directory still lists them: the
   next load of them fails (synchronously when a request's hit lies all in the cpu tier of a one-group model);
 * ``loop_stall``: the worker's I/O loop is held (a job blocking it) longer than the worker waits for it: a
-  synchronous load from the cpu pool still completes on the engine's thread, while what needs the loop (a read
-  of a record the pool lost, a save awaited within the step) gives up within its bound and is recomputed or
-  dropped.
+  synchronous load from the cpu pool still completes on the engine's thread (a record it lost is a miss at once),
+  while what needs the loop (a save awaited within the step) gives up within its bound and is dropped.
 """
 
 from __future__ import annotations

@@ -201,11 +201,11 @@ class PhaseTimer:
         """A memory tier's lending, on the engine's thread (what it cannot lend is read: ``_wrap_read``)."""
         method = store.borrow
 
-        def timed(tier: str, keys: Sequence[Any]) -> Any:
+        def timed(tier: str, keys: Sequence[Any], *args: Any) -> Any:
             start = time.perf_counter()
             lent = None
             try:
-                lent = method(tier, keys)
+                lent = method(tier, keys, *args)
                 return lent
             finally:
                 self._note("medium", start)
@@ -249,16 +249,19 @@ def medium_alone(reads: Sequence[tuple[str, list[Any], bool]], repeats: int = 5)
     for _ in range(repeats):
         t = time.perf_counter()
         payloads: list[torch.Tensor] = []
+        lent: list[tuple[str, list[Any]]] = []
         for tier, keys, borrowed in reads:
             got = store.borrow(tier, keys) if borrowed else run(store.read(tier, keys))
             payloads += [p for p in got or () if p is not None]
-            if borrowed:
-                store.release(tier, keys)
+            if borrowed and got is not None:
+                lent.append((tier, keys))
         read_s.append(time.perf_counter() - t)
         targets = [torch.empty_like(p) for p in payloads]
         t = time.perf_counter()
         for target, payload in zip(targets, payloads, strict=True):
             target.copy_(payload)
         copy_s.append(time.perf_counter() - t)
+        for tier, keys in lent:  # given back once copied, untimed
+            store.release(tier, keys)
     nbytes = sum(p.numel() * p.element_size() for p in payloads)
     return {"read_s": statistics.median(read_s), "memcpy_s": statistics.median(copy_s), "bytes": nbytes}

@@ -315,12 +315,13 @@ class TieredStore:
         """Copy records into caller buffers (contiguous, the record's byte size); False for a miss."""
         return await self._tiers[tier].get_into(items)
 
-    def borrow(self, tier: str, keys: Sequence[Key]) -> list[torch.Tensor | None] | None:
+    def borrow(self, tier: str, keys: Sequence[Key], wait_s: float | None = None) -> list[torch.Tensor | None] | None:
         """Records to read without copying them first, on the caller's thread (no I/O loop): a memory tier lends
         zero-copy views, pinned (their bytes stay valid) until ``release``; None for a miss. None for a tier that
-        lends nothing: ``read`` it. Pair every list returned with ``release(tier, keys)``."""
+        lends nothing: ``read`` it. Pair every list returned with ``release(tier, keys)``. ``wait_s``: the longest
+        wait for another thread's call on the tier (``TimeoutError`` past it, nothing pinned)."""
         target = self._tiers[tier]
-        return target.borrow(keys) if isinstance(target, Borrowing) else None
+        return target.borrow(keys, wait_s) if isinstance(target, Borrowing) else None
 
     def release(self, tier: str, keys: Sequence[Key]) -> None:
         """End a ``borrow``: the views it lent may be overwritten from now on."""

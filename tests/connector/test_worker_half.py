@@ -5,6 +5,7 @@ tiers; the scheduler half writes the plans. Set-up, roles, finished reports and 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import gc
 import threading
@@ -132,7 +133,7 @@ def test_stuck_tier_fails_loads_and_drops_saves_within_the_bound() -> None:
         worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
         assert time.monotonic() - t0 < BOUND + 1.5
         assert worker.get_block_ids_with_load_errors() == {21, 22, 23, 24}
-        assert tier.pool.pinned() == 0  # a miss in a memory tier fails at once, pinning nothing for good
+        assert tier.pool.pinned() == 0  # a miss in a memory tier fails at once (no read), pinning nothing for good
         worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("a", 0, "cpu", CHUNK_KEYS[:1], CHUNK_BLOCKS[:1], True)]))
         deadline = time.monotonic() + BOUND + 1.5
         recving: set[str] = set()
@@ -147,6 +148,29 @@ def test_stuck_tier_fails_loads_and_drops_saves_within_the_bound() -> None:
         worker.handle_preemptions()  # flushes the step's save: a memory-only save is awaited, bounded
         assert time.monotonic() - t0 < 2 * BOUND + 1.5
         assert worker.get_finished({"s"})[0] == {"s"}  # dropped, so nothing keeps the blocks
+    finally:
+        worker.close()
+        loop.close()
+
+
+class StuckDiskTier(DiskTier):
+    """A disk tier (it lends nothing: a synchronous load of it is read on the I/O loop) whose reads hang."""
+
+    async def get(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+        await asyncio.Event().wait()
+        return [None] * len(keys)
+
+
+@pytest.mark.timeout(20)
+def test_a_synchronous_load_of_a_tier_that_lends_nothing_is_read_on_the_loop_within_the_bound(
+        tmp_path: Path) -> None:
+    worker, loop = bounded_worker(StuckDiskTier(DiskTierConfig("disk", 1 << 20, path=str(tmp_path))),  # type: ignore[arg-type]
+                                  paged(3))
+    try:
+        t0 = time.monotonic()
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "disk", CHUNK_KEYS, CHUNK_BLOCKS)]))
+        assert BOUND <= time.monotonic() - t0 < BOUND + 1.5  # it waited for the read, bounded
+        assert worker.get_block_ids_with_load_errors() == {21, 22, 23, 24}
     finally:
         worker.close()
         loop.close()
@@ -170,17 +194,17 @@ def test_a_failing_release_does_not_reach_the_engine() -> None:
 
 
 def test_a_load_after_the_io_loop_closed_fails_its_blocks_and_leaves_no_coroutine_unawaited(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """An engine step that outlives kvtier's I/O loop (shutdown): the planned blocks become load errors (the
     engine recomputes them) and no coroutine is left unawaited (Python's RuntimeWarning at collection)."""
     monkeypatch.setattr(loads_module.logger, "disabled", True)  # a captured log record would keep the error alive
     kv = paged(6)
     before = {n: t.clone() for n, t in kv.items()}
-    worker, loop = bounded_worker(CpuTier(CpuTierConfig("cpu", 1 << 20)), kv)
+    worker, loop = bounded_worker(DiskTier(DiskTierConfig("disk", 1 << 20, path=str(tmp_path))), kv)  # type: ignore[arg-type]
     loop.close()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
+        warnings.simplefilter("always")  # a disk tier lends nothing: its synchronous load needs the (closed) loop
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "disk", CHUNK_KEYS, CHUNK_BLOCKS)]))
         gc.collect()
     assert worker.get_block_ids_with_load_errors() == {21, 22, 23, 24}
     assert all(torch.equal(kv[n], before[n]) for n in kv)

@@ -10,11 +10,15 @@ import time
 
 import pytest
 import torch
-from worker_kit import CHUNK_BLOCKS, CHUNK_KEYS, KCC, bounded_worker, paged
+from worker_kit import BOUND, CHUNK_BLOCKS, CHUNK_KEYS, KCC, C, bounded_worker, paged
 
+import kvtier.tiers.memory.pool as pool_module
 from kvtier.config import CpuTierConfig
 from kvtier.connector.plans import KVTierMetadata, LoadSpec
+from kvtier.connector.worker.half import WorkerHalf
 from kvtier.kvcopy.transfer import KVLayout, gather
+from kvtier.store.assembly import Role
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.memory.cpu import CpuTier
 from kvtier.tiers.runtime import LoopThread
 
@@ -69,6 +73,55 @@ def test_a_record_the_memory_tier_lost_fails_at_once_and_alone_while_the_io_loop
         free.set()
         worker.close()
         loop.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_memory_tier_busy_past_the_bound_fails_its_loads_alone_and_pins_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two cpu tiers; another thread holds one of them past the worker's wait bound: that tier's loads fail (their
+    blocks are recomputed) within the bound, the other tier's load fills its blocks, and no pin is left."""
+    monkeypatch.setattr(pool_module, "BORROW_WAIT_S", 30.0)  # the worker's own bound (0.3 s) must apply
+    kv = paged(7)
+    layers = [kv[n] for n in KCC.kv_cache_groups[0].layer_names]
+    data = gather(layers, [(1, 2), (3, 4)], KVLayout.KV_FIRST)
+    free_tier = CpuTier(CpuTierConfig("a", 64 * data[0].nbytes))
+    busy_tier = CpuTier(CpuTierConfig("b", 64 * data[0].nbytes))
+    loop = LoopThread()
+    store = TieredStore([free_tier, busy_tier], None, role=Role.WORKER)
+    loop.run(store.start())
+    worker = WorkerHalf(KCC, store, loop, chunk_size=C)
+    worker.register_kv_caches(kv)
+    worker.wait_timeout_s = BOUND
+    held, free = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with busy_tier._lock:
+            held.set()
+            free.wait(10)
+
+    holder = threading.Thread(target=hold)
+    try:
+        for tier in (free_tier, busy_tier):
+            loop.run(tier.put([(CHUNK_KEYS[0], data[0].contiguous()), (CHUNK_KEYS[1], data[1].contiguous())]))
+        holder.start()
+        assert held.wait(5)
+        t0 = time.monotonic()
+        worker.start_load_kv(KVTierMetadata(loads=[
+            LoadSpec("r", 0, "b", CHUNK_KEYS[:1], CHUNK_BLOCKS[:1]),
+            LoadSpec("r", 0, "a", CHUNK_KEYS[1:], CHUNK_BLOCKS[1:]),
+            LoadSpec("s", 0, "b", CHUNK_KEYS[1:], ((25, 26),)),  # the busy tier again: failed without a wait
+        ]))
+        assert time.monotonic() - t0 < BOUND + 1.0
+        assert worker.get_block_ids_with_load_errors() == {21, 22, 25, 26}
+        for n in kv:
+            assert torch.equal(kv[n][:, [23, 24]], kv[n][:, [3, 4]])
+    finally:
+        free.set()
+        if holder.is_alive() or held.is_set():
+            holder.join()
+    assert free_tier.pool.pinned() == 0 and busy_tier.pool.pinned() == 0
+    worker.close()
+    loop.close()
 
 
 @pytest.mark.timeout(60)

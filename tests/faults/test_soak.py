@@ -82,7 +82,7 @@ def check_split(soak: ModuleType, fig: dict[str, Any], caplog: pytest.LogCapture
     assert fig["mode"] == "split halves" and fig["policy"] == asdict(PolicyConfig()), fig["policy"]  # the default
     assert sum(fig["faults_within_waves"].values()) >= fig["waves"] // 2, fig["faults_within_waves"]
     assert fig["records_damaged"]["cpu_lost"] > 0 and kinds["redis_flush"] > 0
-    if sync:  # synchronous loads failed (records lost, waits for a stalled loop given up)
+    if sync:  # synchronous loads failed (records lost from the cpu pool), and the loop stalled
         assert fig["sync_load_steps"] > 0 and fig["sync_load_failures"] > 0 and fig["loop_stalls"] > 0
     else:
         assert (fig["sync_load_steps"], fig["loop_stalls"]) == (0, 0)

@@ -121,28 +121,35 @@ class LoadPath:
         to the I/O loop: a memory tier is thread-safe), scattered straight into the blocks and released once the
         device has consumed them."""
         lent: list[tuple[str, list[Key]]] = []
+        failed: set[str] = set()  # tiers that failed or stayed busy in this step: their other specs fail at once
         try:
             try:
-                results = [self._lend(spec, lent) for spec in specs]
+                results = [self._lend(spec, lent, failed) for spec in specs]
             except Exception as exc:  # a bug, not a medium: fail the loads, not the engine
                 logger.warning("synchronous load failed: %r", exc)
                 results = [[None] * len(s.keys) for s in specs]
             self.apply(specs, results)
         finally:
-            self._kv.sync_devices()  # queued device copies may still read the borrowed views
-            for tier, keys in lent:
-                self._release(tier, keys)
+            try:
+                self._kv.sync_devices()  # queued device copies may still read the borrowed views
+            finally:
+                for tier, keys in lent:
+                    self._release(tier, keys)
 
-    def _lend(self, spec: LoadSpec, lent: list[tuple[str, list[Key]]]) -> Reads:
-        """What ``spec``'s tier lends (kept in ``lent``, to release; None for a miss); a tier that lends nothing is
-        read on the I/O loop, bounded. A tier that fails or stays busy past its bound fails this spec alone."""
+    def _lend(self, spec: LoadSpec, lent: list[tuple[str, list[Key]]], failed: set[str]) -> Reads:
+        """What ``spec``'s tier lends (kept in ``lent``, to release; None for a miss), waiting at most
+        ``wait_timeout_s`` for the tier; a tier that lends nothing is read on the I/O loop, bounded. A tier that
+        fails or stays busy past the bound fails this spec, and its other specs of the step without a wait."""
         keys = [self._kv.key(spec.group, k) for k in spec.keys]
+        if spec.tier in failed:
+            return [None] * len(keys)
         try:
-            values = self.store.borrow(spec.tier, keys)
+            values = self.store.borrow(spec.tier, keys, self.wait_timeout_s)
             if values is None:
                 return self.run_bounded(self.store.read(spec.tier, keys))
         except Exception as exc:  # a dead, stuck or busy tier fails the load, not the engine
             logger.warning("synchronous load from %s failed: %r", spec.tier, exc)
+            failed.add(spec.tier)
             return [None] * len(keys)
         lent.append((spec.tier, keys))
         return values

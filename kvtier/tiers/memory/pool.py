@@ -157,13 +157,14 @@ class PoolTier(Tier):
         with self._lock:
             return self.pool.view(key)
 
-    def borrow(self, keys: Sequence[Key]) -> list[torch.Tensor | None]:
+    def borrow(self, keys: Sequence[Key], wait_s: float | None = None) -> list[torch.Tensor | None]:
         """Pin every key and return its record without a copy where the pool can lend one: a zero-copy view, a copy
         for a record split over several runs of slots, None for a miss. Counted as gets. Valid until
         ``release(keys)``. Any thread may call it; ``TimeoutError`` (nothing pinned) when another thread's call
-        holds the pool past ``BORROW_WAIT_S``."""
-        if not self._lock.acquire(timeout=BORROW_WAIT_S):
-            raise TimeoutError(f"tier {self.name!r}: the pool stayed busy past {BORROW_WAIT_S:.1f}s")
+        holds the pool past ``wait_s`` (default ``BORROW_WAIT_S``)."""
+        wait_s = BORROW_WAIT_S if wait_s is None else wait_s
+        if not self._lock.acquire(timeout=wait_s):
+            raise TimeoutError(f"tier {self.name!r}: the pool stayed busy past {wait_s:.2f}s")
         try:
             self.pool.pin(keys)
             try:
@@ -180,6 +181,7 @@ class PoolTier(Tier):
             self._lock.release()
 
     def release(self, keys: Sequence[Key]) -> None:
-        """End a ``borrow`` of these keys (unpins them). Any thread may call it."""
+        """End a ``borrow`` of these keys (unpins them). Any thread may call it; it waits for the call in progress
+        on the pool, unbounded (a pin must end; a call holds the pool for a batch's copies, at memory speed)."""
         with self._lock:
             self.pool.unpin(keys)

@@ -14,7 +14,7 @@ exceeded. Deleting (or overwriting) a pinned record hides it at once but frees i
 ``unpin``: a reader holding a ``view`` of it keeps valid bytes. A ``SlotPool`` is not thread-safe; its
 ``PoolTier`` is: one lock around every call, so the engine's thread borrows and releases records while the I/O
 loop writes, reads and deletes others. A borrow waits for the call in progress (a batch's copies: memory speed,
-no I/O), at most ``BORROW_WAIT_S``.
+no I/O), at most its caller's bound (the worker's wait bound; ``BORROW_WAIT_S`` when none is given).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,18 +27,30 @@ from kvtier.tiers.runtime import LoopThread
 STALL_S = 2.0  # the I/O loop is held this long: far past the worker's bound on a wait for it (0.3 s)
 
 
-@pytest.mark.timeout(60)
-def test_a_memory_load_does_not_wait_for_a_busy_io_loop() -> None:
-    kv = paged(5)
+@contextmanager
+def stalled_loop_worker(seed: int, stored: int) -> Iterator[tuple[WorkerHalf, CpuTier, dict[str, torch.Tensor]]]:
+    """A worker over a cpu tier holding the first ``stored`` of the two chunks (blocks 1-2 and 3-4 of the engine's
+    KV), its I/O loop held by a job for ``STALL_S`` while the caller loads."""
+    kv = paged(seed)
     layers = [kv[n] for n in KCC.kv_cache_groups[0].layer_names]
     data = gather(layers, [(1, 2), (3, 4)], KVLayout.KV_FIRST)
     tier = CpuTier(CpuTierConfig("cpu", 64 * data[0].nbytes))
     worker, loop = bounded_worker(tier, kv)
     busy, free = threading.Event(), threading.Event()
     try:
-        loop.run(tier.put([(k, data[i].contiguous()) for i, k in enumerate(CHUNK_KEYS)]))
+        loop.run(tier.put([(k, data[i].contiguous()) for i, k in enumerate(CHUNK_KEYS[:stored])]))
         loop.loop.call_soon_threadsafe(lambda: (busy.set(), free.wait(STALL_S)))
         assert busy.wait(5)
+        yield worker, tier, kv
+    finally:
+        free.set()
+        worker.close()
+        loop.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_memory_load_does_not_wait_for_a_busy_io_loop() -> None:
+    with stalled_loop_worker(5, stored=2) as (worker, tier, kv):
         t0 = time.monotonic()
         worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
         assert time.monotonic() - t0 < STALL_S / 2  # the old hand-off timed out here (0.3 s + grace) and failed
@@ -44,24 +58,11 @@ def test_a_memory_load_does_not_wait_for_a_busy_io_loop() -> None:
         for n in kv:
             assert torch.equal(kv[n][:, [21, 22, 23, 24]], kv[n][:, [1, 2, 3, 4]])
         assert tier.pool.pinned() == 0  # taken back on the engine's thread, not queued behind the stalled loop
-    finally:
-        free.set()
-        worker.close()
-        loop.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_record_the_memory_tier_lost_fails_at_once_and_alone_while_the_io_loop_is_busy() -> None:
-    kv = paged(6)
-    layers = [kv[n] for n in KCC.kv_cache_groups[0].layer_names]
-    data = gather(layers, [(1, 2), (3, 4)], KVLayout.KV_FIRST)
-    tier = CpuTier(CpuTierConfig("cpu", 64 * data[0].nbytes))
-    worker, loop = bounded_worker(tier, kv)
-    busy, free = threading.Event(), threading.Event()
-    try:
-        loop.run(tier.put([(CHUNK_KEYS[0], data[0].contiguous())]))  # the second chunk is lost
-        loop.loop.call_soon_threadsafe(lambda: (busy.set(), free.wait(STALL_S)))
-        assert busy.wait(5)
+    with stalled_loop_worker(6, stored=1) as (worker, tier, kv):  # the second chunk is lost
         t0 = time.monotonic()
         worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", 0, "cpu", CHUNK_KEYS, CHUNK_BLOCKS)]))
         assert time.monotonic() - t0 < STALL_S / 2  # a miss is a miss: no read on the loop is waited for
@@ -69,10 +70,6 @@ def test_a_record_the_memory_tier_lost_fails_at_once_and_alone_while_the_io_loop
         for n in kv:
             assert torch.equal(kv[n][:, [21, 22]], kv[n][:, [1, 2]])
         assert tier.pool.pinned() == 0
-    finally:
-        free.set()
-        worker.close()
-        loop.close()
 
 
 @pytest.mark.timeout(60)

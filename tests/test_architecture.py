@@ -18,6 +18,8 @@ A broken contract prints the import chain that breaks it; ``.venv/bin/lint-impor
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -56,3 +58,45 @@ def test_the_contracts_cover_what_the_architecture_page_declares() -> None:
     positions = [next((i for i, row in enumerate(rows) if f"`{name}/`" in row.split("|")[1]), -1)
                  for name in layers if name != "errors"]
     assert -1 not in positions and positions == sorted(positions), dict(zip(layers, positions, strict=False))
+
+
+NOT_KVTIER = {"index_select", "ttl"}  # torch's, and a config key
+
+
+def _defined() -> tuple[dict[str, set[str]], set[str]]:
+    """Each class of kvtier/ with the methods and attributes its body defines, and every function name."""
+    classes: dict[str, set[str]] = {}
+    functions: set[str] = set()
+    for path in (ROOT / "kvtier").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = classes.setdefault(node.name, set())
+                names.update(n.name for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))
+                names.update(t.id for n in node.body if isinstance(n, ast.Assign | ast.AnnAssign)
+                             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                             if isinstance(t, ast.Name))
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                functions.add(node.name)
+    return classes, functions
+
+
+def test_every_call_the_routes_name_exists() -> None:
+    """The routes on the architecture page name real code: each ``Class.method`` is a method of that class, each
+    bare name a function of kvtier/, each path a file (the standard library's ``os.*`` aside)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    routes = page[page.index("## The routes"):page.index("## Disk reads")]
+    classes, functions = _defined()
+    missing = []
+    for name in re.findall(r"`([A-Za-z_][\w./]*)`", routes):
+        if name.endswith(".py"):
+            if not (ROOT / "kvtier" / name).is_file():
+                missing.append(name)
+        elif name.startswith("os.") or "/" in name or name in NOT_KVTIER:
+            continue
+        elif "." in name:
+            cls, _, method = name.partition(".")
+            if method not in classes.get(cls, set()):
+                missing.append(name)
+        elif name not in functions and name not in classes:
+            missing.append(name)
+    assert not missing, f"docs/architecture.md's routes name code that is not there: {missing}"

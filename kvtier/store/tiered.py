@@ -24,9 +24,10 @@ any tier is touched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -345,8 +346,9 @@ class TieredStore:
 
     async def execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor],
                       failed: list[tuple[str, Key]] | None = None, *, skip_writes: bool = False) -> dict[str, int]:
-        """Run store plans in order, completing each in the directory; return stored counts per tier, and add
-        every (tier, key) not stored to ``failed`` when given.
+        """Run store plans in order (each drops ``plan.evicted`` from its tier, then writes ``plan.store``, or moves
+        it from ``plan.source``), completing each in the directory; return stored counts per tier, and add every
+        (tier, key) not stored to ``failed`` when given.
 
         Every plan runs: one that raises (a failing medium, a failed ``source`` move) is logged and completed
         as failed, so its keys never stay PENDING, and the next plans still run; cancelled, it completes this and
@@ -354,10 +356,37 @@ class TieredStore:
         ``skip_writes``: the plans' writes of ``payloads`` are completed as not stored (a save the worker chose to
         drop); their evictions still run (the directory has already counted their room as free), and so do the
         moves (another chunk's demotion: leaving it out would drop that chunk from the tier it leaves)."""
+        stored: dict[str, int] = {}
+        with self._busy():
+            for i, plan in enumerate(plans):
+                try:
+                    if plan.evicted:  # the directory counted the evictions it chose; the tier counts its deletes
+                        await self._tiers[plan.tier].delete(plan.evicted)
+                    if plan.source is not None:
+                        ok = await self.move(plan.source, plan.tier, plan.store)
+                    elif skip_writes:
+                        ok = [False] * len(plan.store)
+                    else:
+                        ok = await self._tiers[plan.tier].put([(k, payloads[k]) for k in plan.store])
+                except Exception:
+                    logger.exception("store plan for tier %s failed (%d keys)", plan.tier, len(plan.store))
+                    ok = [False] * len(plan.store)
+                except BaseException:  # cancelled (a bounded wait gave up): no key of this or later plans stays PENDING
+                    for rest in plans[i:]:
+                        self._complete(rest, [False] * len(rest.store), failed)
+                    raise
+                else:
+                    stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)
+                self._complete(plan, ok, failed)
+        return stored
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Count an ``execute`` in flight, for ``quiet``."""
         self._executing += 1
         self._quiet.clear()
         try:
-            return await self._execute(plans, payloads, failed, skip_writes)
+            yield
         finally:
             self._executing -= 1
             if not self._executing:
@@ -367,47 +396,13 @@ class TieredStore:
         """Wait until no ``execute`` is in flight (on the store's event loop)."""
         await self._quiet.wait()
 
-    async def _execute(self, plans: Sequence[StorePlan], payloads: Mapping[Key, torch.Tensor],
-                       failed: list[tuple[str, Key]] | None, skip_writes: bool) -> dict[str, int]:
-        stored: dict[str, int] = {}
-        for i, plan in enumerate(plans):
-            try:
-                writes = skip_writes and plan.source is None
-                ok = await (self._evict_only(plan) if writes else self._run_plan(plan, payloads))
-            except Exception:
-                logger.exception("store plan for tier %s failed (%d keys)", plan.tier, len(plan.store))
-                ok = [False] * len(plan.store)
-            except BaseException:  # cancelled (a bounded wait gave up): no key of this or later plans stays PENDING
-                for rest in plans[i:]:
-                    self._complete(rest, [False] * len(rest.store))
-                    if failed is not None:
-                        failed.extend((rest.tier, k) for k in rest.store)
-                raise
-            else:
-                stored[plan.tier] = stored.get(plan.tier, 0) + sum(ok)
-            self._complete(plan, ok)
-            if failed is not None:
-                failed.extend((plan.tier, k) for k, done in zip(plan.store, ok, strict=True) if not done)
-        return stored
-
-    def _complete(self, plan: StorePlan, ok: Sequence[bool]) -> None:
-        """Mark the plan's writes done in the directory, when this process holds it (a worker reports instead)."""
+    def _complete(self, plan: StorePlan, ok: Sequence[bool], failed: list[tuple[str, Key]] | None) -> None:
+        """Mark the plan's writes done in the directory, when this process holds it (a worker reports instead), and
+        add the ones not stored to ``failed``."""
         if self._directory is not None:
             self._directory.complete_store(plan.tier, plan.store, ok)
-
-    async def _evict_only(self, plan: StorePlan) -> list[bool]:
-        tier = self._tiers[plan.tier]
-        if plan.evicted:  # the directory counted the evictions it chose; the tier counts its deletes
-            await tier.delete(plan.evicted)
-        return [False] * len(plan.store)
-
-    async def _run_plan(self, plan: StorePlan, payloads: Mapping[Key, torch.Tensor]) -> list[bool]:
-        """Drop ``plan.evicted`` from its tier, then write (or move from ``plan.source``) ``plan.store``."""
-        await self._evict_only(plan)
-        if plan.source is not None:
-            return await self.move(plan.source, plan.tier, plan.store)
-        return await self._tiers[plan.tier].put([(k, payloads[k]) for k in plan.store])
-
+        if failed is not None:
+            failed.extend((plan.tier, k) for k, done in zip(plan.store, ok, strict=True) if not done)
 
 # -- persisting at close: kvtier.control.persist plans the copies; here a one-process store runs them
 

@@ -181,13 +181,22 @@ class SaveQueue:
 
     async def _run(self, jobs: Sequence[SaveJob], tally: list[int],
                    ends: Sequence[concurrent.futures.Future[None]]) -> None:
+        """Each job's plans through ``TieredStore.execute``, one job after another, each within SAVE_TIMEOUT_S."""
         # A step cancelled before the loop started it (a bounded wait gave up while the loop was busy) still gets
         # one first slice: its cancellation is delivered right after that slice. Yield it before touching a tier.
         await asyncio.sleep(0)
         async with self._order:
             for job, end in zip(jobs, ends, strict=True):
+                t0 = time.perf_counter()
+                failed: list[tuple[str, Key]] = []
                 try:
-                    await self._execute(job)
+                    stored = await asyncio.wait_for(
+                        self.store.execute(job.plans, job.items or {}, failed, skip_writes=job.items is None),
+                        SAVE_TIMEOUT_S)
+                except Exception as exc:  # a failed save is a future miss, never an engine failure
+                    self._failed(job, exc, failed)
+                else:
+                    self._stored(job, stored, failed, time.perf_counter() - t0)
                 finally:
                     self._end(job, end)
                 self._release(tally, job.nbytes)
@@ -199,28 +208,25 @@ class SaveQueue:
             tally[0] -= n
             self._backlog -= n
 
-    async def _execute(self, job: SaveJob) -> None:
-        spec, plans, items = job.spec, job.plans, job.items
-        t0 = time.perf_counter()
-        failed: list[tuple[str, Key]] = []
-        try:
-            stored = await asyncio.wait_for(self.store.execute(plans, items or {}, failed, skip_writes=items is None),
-                                            SAVE_TIMEOUT_S)
-        except TimeoutError:  # a stuck medium: what was not stored by then is reported, and the job ends
-            logger.warning("a save of %s did not finish within %.0fs: dropped", spec.req_id, SAVE_TIMEOUT_S)
+    def _failed(self, job: SaveJob, exc: Exception, failed: Sequence[tuple[str, Key]]) -> None:
+        """Report a job that raised: a stuck medium (the job timed out) reports what was not stored by then."""
+        if isinstance(exc, TimeoutError):
+            logger.warning("a save of %s did not finish within %.0fs: dropped", job.spec.req_id, SAVE_TIMEOUT_S)
             self._counters.save_timed_out()
-            self._report_failed(spec, plans, failed)
-            return
-        except Exception as exc:  # a failed save is a future miss, never an engine failure
+            self._report_failed(job.spec, job.plans, failed)
+        else:
             logger.warning("save failed: %r", exc)
-            self._counters.save_failed(len(spec.keys))
-            self._report_failed(spec, None, ())
-            return
-        if failed:  # a skipped job's writes, each reported not stored; the demotions it carries as they went
-            self._report_failed(spec, plans, failed)
-        self._report_stored(spec, plans, failed)
-        if items is not None:
-            self._counters.saved(sum(stored.values()), job.nbytes, time.perf_counter() - t0)
+            self._counters.save_failed(len(job.spec.keys))
+            self._report_failed(job.spec, None, ())
+
+    def _stored(self, job: SaveJob, stored: dict[str, int], failed: Sequence[tuple[str, Key]],
+                seconds: float) -> None:
+        """Report a job that ran: a skipped job's writes, each not stored; its demotions as they went."""
+        if failed:
+            self._report_failed(job.spec, job.plans, failed)
+        self._report_stored(job.spec, job.plans, failed)
+        if job.items is not None:
+            self._counters.saved(sum(stored.values()), job.nbytes, seconds)
 
 
 class SavePath:

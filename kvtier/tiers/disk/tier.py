@@ -320,39 +320,36 @@ class DiskTier(Tier):
         The records of one call are written one after another by a single worker-thread call: on a few cores,
         one writer per record (threads handing the GIL and the cores back and forth) slowed the engine that
         produced them, and page-cache writes gain nothing from more threads."""
+        if len({k for k, _ in items}) != len(items):  # a key twice: one by one, in order
+            return [await self.put([item]) == [True] for item in items]
         with Timer(self._stats, "put_seconds"):
-            if len({k for k, _ in items}) != len(items):  # a key twice: one by one, in order
-                return [await self._put_batch([item]) == [True] for item in items]
-            return await self._put_batch(items)
-
-    async def _put_batch(self, items: Sequence[tuple[Key, torch.Tensor]]) -> list[bool]:
-        while any(key in self._writing for key, _ in items):  # no await between this check and the claims below
-            for key, _ in items:
-                await self._wait_writing(key)
-        done = [False] * len(items)
-        accepted = [i for i, (key, tensor) in enumerate(items) if self._reserve(key, tensor)]
-        if not accepted:
+            while any(key in self._writing for key, _ in items):  # no await between this check and the claims below
+                for key, _ in items:
+                    await self._wait_writing(key)
+            done = [False] * len(items)
+            accepted = [i for i, (key, tensor) in enumerate(items) if self._reserve(key, tensor)]
+            if not accepted:
+                return done
+            loop = asyncio.get_running_loop()
+            waits = {items[i][0]: loop.create_future() for i in accepted}
+            self._writing.update(waits)
+            try:
+                batch = [items[i] for i in accepted]
+                self._records.take({key[:DIGEST_BYTES] for key, _ in batch})  # a namespace we write is ours
+                victims = self._room_for(batch)
+                sizes, evicted = await loop.run_in_executor(self._writer(), self._shared.store, batch, victims,
+                                                            sorted(self._records.own), self._write_many)
+                self._evicted(evicted)
+            finally:  # cancelled or not, the reservations end and waiters go on
+                for i in accepted:
+                    key, tensor = items[i]
+                    self._reserved -= self.stored_size(tensor.numel() * tensor.element_size())
+                    if self._writing.get(key) is waits[key]:
+                        del self._writing[key]
+                    waits[key].set_result(None)
+            for i, size in zip(accepted, sizes, strict=True):
+                done[i] = self._settle_write(items[i], size)
             return done
-        loop = asyncio.get_running_loop()
-        waits = {items[i][0]: loop.create_future() for i in accepted}
-        self._writing.update(waits)
-        try:
-            batch = [items[i] for i in accepted]
-            self._records.take({key[:DIGEST_BYTES] for key, _ in batch})  # a namespace we write is ours
-            victims = self._room_for(batch)
-            sizes, evicted = await loop.run_in_executor(self._writer(), self._shared.store, batch, victims,
-                                                        sorted(self._records.own), self._write_many)
-            self._evicted(evicted)
-        finally:  # cancelled or not, the reservations end and waiters go on
-            for i in accepted:
-                key, tensor = items[i]
-                self._reserved -= self.stored_size(tensor.numel() * tensor.element_size())
-                if self._writing.get(key) is waits[key]:
-                    del self._writing[key]
-                waits[key].set_result(None)
-        for i, size in zip(accepted, sizes, strict=True):
-            done[i] = self._settle_write(items[i], size)
-        return done
 
     def _writer(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one thread that writes this tier's records, at background priority (``runtime.background_thread``)."""

@@ -15,7 +15,9 @@ each, vLLM's prefix cache on in all:
 * ``kvtier_cpu_disk``: + that cpu tier and a disk tier behind it (holds the whole working set);
 * ``kvtier_reuse2``: ``kvtier_cpu`` with ``store_threshold: 2`` (only prefixes seen before are saved);
 * ``kvtier_cpu_learned``: ``kvtier_cpu`` with ``admission: learned`` (only classes of requests whose chunks are asked
-  for again past vLLM's own cache are saved).
+  for again past vLLM's own cache are saved);
+* ``kvtier_cpu_evict``: ``kvtier_cpu`` with ``admission: evict`` (a chunk is saved when vLLM is about to write over
+  one of its blocks).
 
 ``--one-off SHARE`` mixes in prompts sent once (``--max-prompt`` random tokens, SHARE per trace request on
 average): documents asked about once beside the trace's conversations, which a cache that saves every chunk
@@ -49,7 +51,8 @@ from kvtier.bench.vllm_driver import Engine, start_engines
 from kvtier.ops.argtypes import non_negative_float, positive_float, positive_int
 from kvtier.ops.models import llama_kv_bytes_per_token, make_llama
 
-MODES = ("prefix", "prefix_control", "kvtier_cpu", "kvtier_cpu_disk", "kvtier_reuse2", "kvtier_cpu_learned")
+MODES = ("prefix", "prefix_control", "kvtier_cpu", "kvtier_cpu_disk", "kvtier_reuse2", "kvtier_cpu_learned",
+         "kvtier_cpu_evict")
 BLOCK = 32  # the engine's block size (tokens)
 
 
@@ -126,7 +129,7 @@ def _kvtier_yaml(workdir: Path, mode: str, chunk: int, tier_bytes: int) -> str |
     if mode == "kvtier_cpu_disk":
         tiers.append(f"{{name: disk, kind: disk, capacity: 8GiB, path: {workdir / 'kv-disk'}}}")
     threshold = 2 if mode == "kvtier_reuse2" else 1
-    admission = "learned" if mode.endswith("_learned") else "all"
+    admission = next((a for a in ("learned", "evict") if mode.endswith(f"_{a}")), "all")
     path = workdir / f"{mode}.yaml"
     path.write_text(f"chunk_size: {chunk}\ntiers: [{', '.join(tiers)}]\n"
                     f"policy: {{write: write_back, store_threshold: {threshold}, admission: {admission}}}\n")

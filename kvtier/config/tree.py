@@ -18,7 +18,7 @@ from kvtier.layout import GroupKind
 # kvtier.records.fingerprint); tests/control/test_policy.py checks that they serve exactly these.
 EVICTION_POLICIES = ("lru", "prefix_lru", "arc", "s3fifo", "prefix_hd", "adaptive")
 WEIGHT_MODES = ("auto", "stat", "content", "off")
-ADMISSIONS = ("all", "learned")
+ADMISSIONS = ("all", "learned", "evict")
 
 
 class TierKind(StrEnum):
@@ -124,7 +124,8 @@ class PolicyConfig:
     store_threshold: int = 1
     # which requests save their chunks: "learned": only classes of requests whose chunks are asked for again,
     # beyond the engine's own prefix cache, at least admission_min_reuse times per chunk offered
-    # (kvtier.connector.scheduler.admission); "all": every computed chunk
+    # (kvtier.connector.scheduler.admission); "all": every computed chunk; "evict": every computed chunk, when the
+    # engine is about to write over one of its blocks (kvtier.connector.scheduler.lazy)
     admission: str = "learned"
     admission_min_reuse: float = 0.1
     # saves queued on a worker and not yet written (bytes): a step's saves past it are skipped (counted), so a

@@ -8,8 +8,8 @@ two-argument children work; every child receives the same ``kv_cache_config``.
 Routing:
     get_num_new_matched_tokens   children in order; a ``None`` answer returns ``(None, False)`` at once; the first
                                  child with a non-zero count loads the request; no summing
-    update_state_after_alloc     the loading child gets the real blocks and count, the others
-                                 ``blocks.new_empty()`` and 0
+    update_state_after_alloc     the loading child gets the blocks and count, the others the blocks and 0 (a child
+                                 that saves on eviction sees every allocation)
     build_connector_meta         :class:`MultiConnectorMetadata` of the children's metadata, in order
     saves                        every child saves; a request is reported in ``finished_sending`` once every child
                                  that returned True from ``request_finished`` reported it
@@ -299,7 +299,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             if i == chosen:
                 child.update_state_after_alloc(request, blocks, num_external_tokens)
             else:
-                child.update_state_after_alloc(request, blocks.new_empty(), 0)
+                child.update_state_after_alloc(request, blocks, 0)  # the real blocks (vLLM 0.33): no load into them
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         metadata = MultiConnectorMetadata(tuple(c.build_connector_meta(scheduler_output) for c in self._connectors),

@@ -36,6 +36,7 @@ class SaveSpec:
     keys: tuple[Key, ...]
     block_ids: tuple[tuple[int, ...], ...]
     plans: tuple[StorePlan, ...]
+    evicted: bool = False  # chunks the step's allocations take (kvtier.connector.scheduler.lazy): copied when bound
 
     def stored_keys(self) -> list[tuple[str, Key]]:
         """(tier, key) of every record the plans create, demotions included."""

@@ -222,6 +222,11 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:  # the chunks this step's allocations take, before any load or forward writes
+            self._worker.bind(connector_metadata if isinstance(connector_metadata, KVTierMetadata) else None)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         self._work().start_load_kv(meta if isinstance(meta, KVTierMetadata) else None)

@@ -79,6 +79,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] | None = None
     kv_connector_metadata: Any = None
     kv_connector_block_state: KVConnectorBlockState | None = None
+    new_block_ids_to_zero: list[int] | None = None  # blocks the model runner zeroes before the step (vLLM >= 0.33)
 
 
 @dataclass

@@ -118,7 +118,7 @@ def test_saves_go_to_all_children_and_the_first_hit_loads(tmp_path: Path) -> Non
     meta, hits = schedule(sched, [(Request("r2", [*PROMPT[:16], 7, 7, 7]), blocks_for(10))])
     assert hits == [16]
     assert a.calls[-2] == ("update_state_after_alloc", "r2", ([10, 11, 12, 13, 14],), 16)
-    assert b.calls[-2] == ("update_state_after_alloc", "r2", ([],), 0)
+    assert b.calls[-2] == ("update_state_after_alloc", "r2", ([10, 11, 12, 13, 14],), 0)  # its blocks, no load
     work(worker, meta)
     wa, wb = worker.sub_connectors
     assert wa.loaded_blocks == [10, 11, 12, 13] and wb.loaded_blocks == []
@@ -127,7 +127,7 @@ def test_saves_go_to_all_children_and_the_first_hit_loads(tmp_path: Path) -> Non
         f.unlink()
     meta, hits = schedule(sched, [(Request("r3", PROMPT), blocks_for(20))])
     assert hits == [16]
-    assert a.calls[-2] == ("update_state_after_alloc", "r3", ([],), 0)
+    assert a.calls[-2] == ("update_state_after_alloc", "r3", ([20, 21, 22, 23, 24],), 0)
     assert b.calls[-2][-1] == 16
     work(worker, meta)
     assert wb.loaded_blocks == [20, 21, 22, 23]
@@ -275,7 +275,7 @@ def test_a_later_miss_clears_the_loading_child(tmp_path: Path) -> None:
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert sched.loading_connector("r") is None
     sched.update_state_after_alloc(req, blocks_for(1), 0)
-    assert a.calls[-1] == ("update_state_after_alloc", "r", ([],), 0)
+    assert a.calls[-1] == ("update_state_after_alloc", "r", (blocks_for(1).get_block_ids()[0],), 0)
 
 
 def test_may_load_async_is_any_childs_and_no_for_a_child_without_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:

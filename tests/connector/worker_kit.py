@@ -51,6 +51,7 @@ class Engine:
         self.sched = TieredConnector.from_config(cfg, KVConnectorRole.SCHEDULER, KCC)
         self.work = TieredConnector.from_config(cfg, KVConnectorRole.WORKER, KCC)
         self.work.register_kv_caches(kv)
+        self.kv = kv
 
     def step(self, out: SchedulerOutput, *, save: bool = True) -> KVConnectorOutput:
         meta = pickle.loads(pickle.dumps(self.sched.build_connector_meta(out)))

@@ -6,11 +6,13 @@ SPEC (JSON): ``model`` (directory), ``connector`` (null, "kvtier" or "multi": KV
 and a two-argument legacy child), ``kvtier_config`` (YAML path), ``extra`` (more kv_connector_extra_config),
 ``prefix_caching`` (vLLM's own), ``phases`` (lists of prompts, each list one ``LLM.generate`` call), ``kill``
 (``{"after_phase": i, "pid": p}``: SIGKILL a process between phases), ``pause_s`` (seconds the engine stays idle
-before each phase after the first), ``max_tokens``, ``dtype``,
+before each phase after the first), ``max_tokens``, ``dtype``, ``max_model_len``, ``num_blocks`` (the engine's KV
+memory, in blocks),
 ``attention_backend`` (vLLM's, e.g. "CPU_MLA").
 
 OUT (JSON): per phase and prompt the greedy tokens, their logprobs (exact floats), ``num_cached_tokens``; the
-kvtier worker's counters since start (``kvtier``; in-process engines only), the legacy child's calls, timings.
+kvtier worker's counters since start (``kvtier``, and with ``phase_counters`` after each phase, ``kvtier_phases``;
+in-process engines only), the legacy child's calls, timings.
 Runs under the ``__main__`` guard: vLLM may spawn processes.
 """
 
@@ -56,8 +58,10 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
     (kvtier.bench.vllm_driver.llm_kwargs), and kvtier (alone or chained) when it asks."""
     from kvtier.bench.vllm_driver import llm_kwargs
 
-    kw = llm_kwargs({**spec, "max_model_len": 1024}, max_num_seqs=8,
+    kw = llm_kwargs({**spec, "max_model_len": spec.get("max_model_len", 1024)}, max_num_seqs=8,
                     enable_prefix_caching=bool(spec.get("prefix_caching", False)), **hybrid_blocks(spec["model"]))
+    if spec.get("num_blocks"):  # the engine's KV memory in blocks: a small one evicts
+        kw["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("attention_backend"):
         kw["attention_backend"] = spec["attention_backend"]
     extra = {"config_file": spec["kvtier_config"], **spec.get("extra", {})} if spec.get("kvtier_config") else {}
@@ -74,14 +78,18 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def run_phases(llm: Any, spec: dict[str, Any]) -> tuple[list[list[dict[str, Any]]], list[float]]:
-    """Each phase's prompts, greedy: tokens, logprobs and vLLM's count of cached tokens per prompt."""
+def run_phases(llm: Any, spec: dict[str, Any]) -> tuple[list[list[dict[str, Any]]], list[float], list[Any]]:
+    """Each phase's prompts, greedy: tokens, logprobs and vLLM's count of cached tokens per prompt; the time of
+    each phase, and with ``phase_counters`` the kvtier worker's counters after each (in-process engines only)."""
     from vllm import SamplingParams
+
+    from kvtier.bench.vllm_inproc import worker_connector
 
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1, ignore_eos=True,
                             detokenize=False)
     phases: list[list[dict[str, Any]]] = []
     phase_s: list[float] = []
+    counters: list[Any] = []
     kill = spec.get("kill")
     for i, prompts in enumerate(spec["phases"]):
         if i:
@@ -96,9 +104,11 @@ def run_phases(llm: Any, spec: dict[str, Any]) -> tuple[list[list[dict[str, Any]
             results.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
                             "num_cached_tokens": out.num_cached_tokens})
         phases.append(results)
+        if spec.get("phase_counters"):  # flushes the phase's saves first
+            counters.append(kvtier_totals(worker_connector()))
         if kill and kill["after_phase"] == i:
             os.kill(int(kill["pid"]), signal.SIGKILL)
-    return phases, phase_s
+    return phases, phase_s, counters
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -111,12 +121,13 @@ def main(spec_path: str, out_path: str) -> None:
     t = time.perf_counter()
     llm = LLM(**engine_args(spec))
     engine_s = time.perf_counter() - t
-    phases, phase_s = run_phases(llm, spec)
+    phases, phase_s, counters = run_phases(llm, spec)
     connector = worker_connector()
     legacy_calls = None
     if spec.get("connector") == "multi" and connector is not None:
         legacy_calls = sorted({name for name, *_ in connector.sub_connectors[1].calls})
-    result = {"phases": phases, "kvtier": kvtier_totals(connector), "legacy_calls": legacy_calls,
+    result = {"phases": phases, "kvtier": kvtier_totals(connector), "kvtier_phases": counters,
+              "legacy_calls": legacy_calls,
               "timings": {"engine_s": engine_s, "phase_s": phase_s, "process_s": time.perf_counter() - T0}}
     with open(out_path, "w") as f:
         json.dump(result, f)

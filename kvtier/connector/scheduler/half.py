@@ -31,6 +31,7 @@ from kvtier.connector.scheduler.chunk_events import ChunkEvents
 from kvtier.connector.scheduler.hits import LOOKUP_TIMEOUT_S as LOOKUP_TIMEOUT_S
 from kvtier.connector.scheduler.hits import GroupNeed, Locator, best_hit, hit_limit
 from kvtier.connector.scheduler.inflight import InflightSaves
+from kvtier.connector.scheduler.lazy import Held, LazySaves
 from kvtier.connector.scheduler.recovery import LoadRecovery
 from kvtier.connector.scheduler.request_state import Hit, ReqState, tokens_of
 from kvtier.connector.scheduler.reuse import SeenCounter
@@ -102,6 +103,9 @@ class SchedulerHalf:
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
         self._admission = self._make_admission()
+        self._lazy = self._make_lazy()  # policy.admission: evict (kvtier.connector.scheduler.lazy)
+        self._evicted: list[tuple[str, Held]] = []  # taken from the held chunks since the last step's plans
+        self._shown: dict[str, bool] = {}  # requests allocated and not scheduled yet: whether with their blocks
         # paused (benchmarks time one engine with and without kvtier's work): no lookups hit, no saves planned
         self.paused = False
         self.events: ChunkEvents | None = None  # set when the engine publishes KV events
@@ -133,6 +137,19 @@ class SchedulerHalf:
         per_chunk = max(1, self.kcc.kv_cache_groups[0].bytes_per_chunk(self.cfg.chunk_size))
         held = sum(self.cfg.tier(n).capacity for n in self._placement[0]) // per_chunk
         return SaveAdmission(max(1, held), self.cfg.policy.admission_min_reuse)
+
+    def _make_lazy(self) -> LazySaves | None:
+        """The held chunks of ``policy.admission: evict``, for an engine with one KV-cache group of full attention or
+        MLA (a sliding window frees blocks while its request runs, and vLLM zeroes the new blocks of recurrent
+        states before a step runs); None otherwise, and every chunk is saved when computed."""
+        if self.cfg.policy.admission != "evict":
+            return None
+        groups = self.kcc.kv_cache_groups
+        if len(groups) == 1 and groups[0].kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA) and self._placement[0]:
+            return LazySaves()
+        logger.warning("policy.admission: evict needs one full-attention or MLA KV-cache group; this engine has %s: "
+                       "its chunks are saved when computed", [g.kind.value for g in groups])
+        return None
 
     # ---- lookups ---------------------------------------------------------------------------------------
     def _state(self, req_id: str, request: Any) -> ReqState:
@@ -172,9 +189,13 @@ class SchedulerHalf:
             self._refresh(all_keys, min(limit, num_computed_tokens // size))
         if limit * size <= num_computed_tokens:
             return 0, False
-        located = [self._locator.locate(g, keys[:limit], count=g == 0) for g, keys in enumerate(all_keys)]
-        locations = [loc.tiers for loc in located]
-        present = [[loc is not None for loc in locs] for locs in locations]
+        # saved on eviction, the tiers lack what the engine holds: look them up from the engine's hit on
+        engine = num_computed_tokens // size if self._lazy is not None else 0
+        located = [self._locator.locate(g, keys[engine:limit], count=g == 0) for g, keys in enumerate(all_keys)]
+        before: list[str | None] = [None] * engine
+        locations = [before + list(loc.tiers) for loc in located]
+        writing = [{engine + i for i in loc.writing} for loc in located]
+        present = [[i < engine or loc is not None for i, loc in enumerate(locs)] for locs in locations]
         chunks = best_hit(self._needs, present, size, limit)
         if chunks * size <= num_computed_tokens:
             return 0, False
@@ -185,7 +206,7 @@ class SchedulerHalf:
         # load could fill it (its preprocess_mamba runs before start_load_kv); a chunk still being written is
         # read once the worker's write of it landed
         is_async = self._several_groups or any(self._kinds.get(locations[g][i] or "") in SLOW_KINDS
-                                               or i in located[g].writing for g, i in used)
+                                               or i in writing[g] for g, i in used)
         self._hits[request.request_id] = Hit(chunks, num_computed_tokens, locations, is_async)
         return chunks * size - num_computed_tokens, is_async
 
@@ -233,9 +254,11 @@ class SchedulerHalf:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the hit found by the last lookup into the request's allocated blocks."""
         hit = self._hits.pop(request.request_id, None)
+        block_ids = blocks.get_block_ids()
+        if self._lazy is not None:
+            self._show(request.request_id, block_ids)
         if hit is None or num_external_tokens <= 0:
             return
-        block_ids = blocks.get_block_ids()
         specs = self._load_specs(request.request_id, hit, block_ids)
         pins: list[tuple[str, list[Key]]] = []
         for spec in specs:
@@ -313,6 +336,9 @@ class SchedulerHalf:
         scheduled = scheduler_output.num_scheduled_tokens
         meta = KVTierMetadata(loads=self._step_loads, idle=not any(scheduled.values()))
         meta.saves.extend(self._recovery.take_drops(next(iter(scheduled), "")))  # before any write of their keys
+        if self._lazy is not None:
+            self._observe(scheduler_output)
+            self._plan_evicted(meta)
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._requests:
                 # Never looked up: the engine's request (with its cache salt) was not seen, and vLLM's
@@ -364,8 +390,68 @@ class SchedulerHalf:
             unfilled = state.unfilled[g] if g < len(state.unfilled) else range(0)
             chunks = [(i, chunk_blocks(state.block_ids, g, i, per_chunk)) for i in range(state.saved_chunks, end)
                       if i not in unfilled and self._reused(all_keys, i)]
-            self._plan_group(req_id, g, all_keys[g], [(i, b) for i, b in chunks if b is not None], meta)
+            taken = [(i, b) for i, b in chunks if b is not None]
+            if self._lazy is not None and not state.loaded:  # saved when the engine takes a block of it
+                for i, b in taken:
+                    self._lazy.hold(Held(all_keys[g][i], all_keys[g][i - 1] if i else None, b))
+            else:
+                self._plan_group(req_id, g, all_keys[g], taken, meta)
         state.saved_chunks = full
+
+    def _show(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        """A request's allocation as ``update_state_after_alloc`` shows it: the held chunks in its blocks are saved in
+        this step; shown without its blocks (a chain that hides them), its blocks' held chunks are dropped when it is
+        scheduled."""
+        assert self._lazy is not None
+        ids = [b for group in block_ids for b in group]
+        self._shown[req_id] = bool(ids)
+        self._evicted.extend((req_id, held) for held in self._lazy.take(ids))
+
+    def _observe(self, scheduler_output: Any) -> None:
+        """The step's other allocations (kvtier.connector.scheduler.lazy): the new blocks of running requests are saved
+        from; a new request not shown with its blocks, and a block vLLM zeroes first, drop theirs."""
+        assert self._lazy is not None
+        zeroed = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+        if zeroed:
+            self._lazy.drop(zeroed)
+            kept = [(r, h) for r, h in self._evicted if zeroed.isdisjoint(h.blocks)]
+            self._lazy.dropped += len(self._evicted) - len(kept)
+            self._evicted = kept
+        for new in scheduler_output.scheduled_new_reqs:
+            ids = [b for group in new.block_ids for b in group]
+            if self._shown.pop(new.req_id, False):
+                self._evicted.extend((new.req_id, held) for held in self._lazy.take(ids))
+            else:
+                self._lazy.drop(ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+            if new_ids is not None:
+                self._evicted.extend((req_id, held) for held in self._lazy.take(b for ids in new_ids for b in ids))
+
+    def _plan_evicted(self, meta: KVTierMetadata) -> None:
+        """Save plans of the held chunks the step's allocations take, each under the request that takes its block
+        (whose blocks vLLM keeps until the save is written); the worker copies them when the step is bound."""
+        assert self._lazy is not None
+        evicted, self._evicted = self._evicted, []
+        if self.disabled or self.paused:
+            self._lazy.dropped += len(evicted)
+            return
+        by_request: dict[str, dict[Key, Held]] = {}
+        for req_id, held in evicted:
+            by_request.setdefault(req_id, {}).setdefault(held.key, held)
+        nbytes = self.kcc.kv_cache_groups[0].bytes_per_chunk(self.cfg.chunk_size)
+        for req_id, chunks in by_request.items():
+            plans = self._prepare(0, [(h.key, nbytes, h.parent) for h in chunks.values()])
+            if not plans:
+                continue
+            stored = {k for p in plans if p.source is None for k in p.store}
+            chosen = [h for h in chunks.values() if h.key in stored]
+            spec = SaveSpec(req_id, 0, tuple(h.key for h in chosen), tuple(h.blocks for h in chosen), tuple(plans),
+                            evicted=True)
+            meta.saves.append(spec)
+            self._inflight.add(req_id, spec.stored_keys())
+            self.directory.count_admission(True, len(chosen))
 
     def _plan_state_saves(self, scheduler_output: Any, meta: KVTierMetadata) -> None:
         """Save plans of the recurrent states this step writes at chunk boundaries
@@ -468,6 +554,7 @@ class SchedulerHalf:
         self._requests.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._sources.pop(req_id, None)
+        self._shown.pop(req_id, None)
         self._recovery.finished(req_id)
         return self._inflight.pending(req_id), None
 
@@ -477,6 +564,8 @@ class SchedulerHalf:
         self.directory.defer_policy(None)
         self._requests.clear()
         self._hits.clear()
+        if self._lazy is not None:
+            self._lazy.clear()
 
 
 def _private(tier: TierConfig) -> bool:

@@ -128,6 +128,17 @@ class WorkerHalf:
         return self._kv.chunk_bytes(group)
 
     # ---- loads -----------------------------------------------------------------------------------------
+    def bind(self, metadata: KVTierMetadata | None) -> None:
+        """Copy out the chunks this step's allocations take (``SaveSpec.evicted``): vLLM binds every connector's
+        metadata before any connector loads and before the forward pass writes into the blocks."""
+        evicted = [s for s in metadata.saves if s.evicted] if metadata is not None else []
+        if not evicted:
+            return
+        if self.disabled is not None:
+            self._saves.fail(evicted)
+        else:
+            self._saves.save(evicted)
+
     def start_load_kv(self, metadata: KVTierMetadata | None) -> None:
         """Run this step's synchronous loads now; start the asynchronous ones on the I/O loop."""
         if self._meta is not None and self._meta.saves:
@@ -154,10 +165,13 @@ class WorkerHalf:
         meta, self._meta = self._meta, None
         if meta is None or not meta.saves:
             return
+        saves = [s for s in meta.saves if not s.evicted]  # those were saved when the step was bound
+        if not saves:
+            return
         if self.disabled is not None:  # nothing is stored: the scheduler forgets these chunks
-            self._saves.fail(meta.saves)
+            self._saves.fail(saves)
         else:  # a request whose load failed in this step computed on unfilled blocks: none of its KV is kept
-            self._saves.save(meta.saves, drop=self._loads.failed_now)
+            self._saves.save(saves, drop=self._loads.failed_now)
 
     def handle_preemptions(self) -> None:
         """Gather the saves a step left unflushed, so that preempted blocks may be reused. A save copies its

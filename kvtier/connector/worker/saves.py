@@ -116,9 +116,11 @@ class SaveQueue:
         skipped: list[SaveSpec] = []
         for spec in saves:
             need = chunk_bytes(spec.group) * len(spec.keys)
-            if spec.keys and (spec.req_id in self.skipped_requests or (queued and need > room)):
+            chained = not spec.evicted  # an evicted chunk is another request's: it skips no later chunk
+            if spec.keys and ((chained and spec.req_id in self.skipped_requests) or (queued and need > room)):
                 skipped.append(spec)
-                self.skipped_requests.add(spec.req_id)
+                if chained:
+                    self.skipped_requests.add(spec.req_id)
             else:
                 kept.append(spec)
                 room -= need

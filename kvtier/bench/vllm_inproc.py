@@ -20,7 +20,8 @@ WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_f
                 "handle_preemptions", "bind_connector_metadata", "clear_connector_metadata", "get_transfer_results",
                 "get_block_ids_with_load_errors", "get_kv_connector_stats", "get_kv_connector_kv_cache_events",
                 "build_connector_worker_meta")
-HOOKS = ("start_load_kv", "wait_for_save", "get_finished", "handle_preemptions", "get_num_new_matched_tokens",
+HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished", "handle_preemptions",
+         "get_num_new_matched_tokens",
          "update_state_after_alloc", "build_connector_meta", "update_connector_output", "request_finished",
          "request_finished_all_groups")  # HookTimer's: the hooks that do kvtier's work
 Span = tuple[float, float]

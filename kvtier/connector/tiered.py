@@ -259,6 +259,13 @@ class TieredConnector(KVConnectorBase, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
 
+    def reset_cache(self) -> bool | None:
+        """The engine's KV memory was reset (sleep mode): the chunks held for saving on eviction are dropped; kvtier's
+        tiers keep what they hold (None: nothing of theirs was reset)."""
+        if self._scheduler is not None:
+            self._scheduler.reset_cache()
+        return None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The worker's counts since the last call; the scheduler's: its directory's and, where it opened them
         itself, its tiers' (kvtier.control.metrics). None when nothing changed."""

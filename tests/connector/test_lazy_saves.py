@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,14 +129,23 @@ def test_a_block_taken_by_a_running_request_saves_its_chunk(eng: Engine) -> None
     assert _saved(out) == 1
 
 
-@pytest.mark.parametrize("unsafe", ["zeroed", "hidden"])
-def test_a_block_zeroed_first_or_allocated_out_of_sight_drops_its_chunk_unsaved(eng: Engine, unsafe: str) -> None:
+@pytest.mark.parametrize("unsafe", ["zeroed", "hidden", "reset", "failed load"])
+def test_a_held_chunk_whose_bytes_may_be_gone_is_dropped_unsaved(eng: Engine, unsafe: str) -> None:
     assert _compute_a(eng) == 0
-    if unsafe == "zeroed":  # vLLM zeroes it before the step: its bytes are gone
+    if unsafe == "zeroed":  # vLLM zeroes its block before the step
         saved = _take_with_new_request(eng, X_IDS, zeroed=[A_IDS[7]])
-    else:  # a chain showed X without its blocks: another connector may have loaded into them
+    elif unsafe == "hidden":  # a chain showed X without its blocks: another connector may load into them
         saved = _take_with_new_request(eng, X_IDS, shown=False)
-    assert saved == 0 and _admitted(eng) == 0
+        assert eng.sched._sched()._lazy is None  # and every later chunk is saved when computed
+    else:
+        if unsafe == "reset":  # vLLM's sleep mode discarded the KV memory
+            assert eng.sched.reset_cache() is None
+        else:  # a load failed somewhere: a held chunk may lie in, or be computed on, a block it left unfilled
+            eng.sched.update_connector_output(KVConnectorOutput(invalid_block_ids={45}))
+        saved = _take_with_new_request(eng, X_IDS)
+    declined = eng.sched.get_kv_connector_stats()
+    assert saved == (5 if unsafe == "hidden" else 0) and declined is not None  # hidden: X's own, when computed
+    assert declined.data.get("directory_admitted", 0) == 0 and declined.data["directory_declined"] >= 1
     assert _hit_past_the_engines(eng, "A1") == 0  # the same steps with a safe block save it (the first test)
 
 
@@ -160,6 +170,12 @@ def test_held_chunks_a_block_held_again_for_another_chunk_drops_the_old() -> Non
     lazy.hold(Held(b"c" * 32, None, (4, 5)))  # block 4 now holds c: an allocation came in between
     assert lazy.dropped == 1 and lazy.take([3]) == []
     assert lazy.take([2, 1, 5]) == [a, Held(b"c" * 32, None, (4, 5))] and len(lazy) == 0
+    lazy.hold(a)
+    lazy.hold(b)
+    copies = SchedulerOutput()
+    copies.kv_cache_block_copies = [SimpleNamespace(src=7, dst=2)]  # type: ignore[attr-defined]  # vLLM's field
+    lazy.observe(copies)  # a block copied into before the step runs: its chunk is dropped
+    assert lazy.take([1, 2]) == [] and lazy.dropped == 2 and lazy.take([3]) == [b]
 
 
 def test_the_config_takes_evict(tmp_path: Path) -> None:

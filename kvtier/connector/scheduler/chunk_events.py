@@ -71,11 +71,18 @@ class ChunkEvents:
     def note(self, request: Any, group: int, keys: Sequence[Key], indices: Sequence[int]) -> None:
         """Chunks ``indices`` of ``request`` in ``group`` are about to be written (each kept until it has left
         every tier)."""
-        tokens = tokens_of(request)
-        size, block_size = self._chunk_size, self._block_sizes[group]
         for i in indices:
             if keys[i] not in self._info:
-                self._info[keys[i]] = chunk_info(request, group, i, size, block_size, keys[i], tokens)
+                self._info[keys[i]] = self.describe(request, group, i, keys[i])
+
+    def describe(self, request: Any, group: int, index: int, key: Key) -> ChunkInfo:
+        """Chunk ``index`` of ``request`` in ``group`` as the engine names it (a chunk held to be saved later keeps
+        this, then ``remember`` it when its save is planned)."""
+        return chunk_info(request, group, index, self._chunk_size, self._block_sizes[group], key, tokens_of(request))
+
+    def remember(self, key: Key, info: ChunkInfo) -> None:
+        """A chunk described earlier is about to be written."""
+        self._info.setdefault(key, info)
 
     def take(self) -> list[PublishedEvent]:
         """The events since the last call, with each chunk's description."""

@@ -104,8 +104,6 @@ class SchedulerHalf:
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
         self._admission = self._make_admission()
         self._lazy = self._make_lazy()  # policy.admission: evict (kvtier.connector.scheduler.lazy)
-        self._evicted: list[tuple[str, Held]] = []  # taken from the held chunks since the last step's plans
-        self._shown: dict[str, bool] = {}  # requests allocated and not scheduled yet: whether with their blocks
         # paused (benchmarks time one engine with and without kvtier's work): no lookups hit, no saves planned
         self.paused = False
         self.events: ChunkEvents | None = None  # set when the engine publishes KV events
@@ -255,8 +253,10 @@ class SchedulerHalf:
         """Plan the load of the hit found by the last lookup into the request's allocated blocks."""
         hit = self._hits.pop(request.request_id, None)
         block_ids = blocks.get_block_ids()
-        if self._lazy is not None:
-            self._show(request.request_id, block_ids)
+        if self._lazy is not None and not self._lazy.show(request.request_id, block_ids):
+            logger.warning("policy.admission: evict: an allocation came without its blocks (a chain of connectors "
+                           "that hides them); kvtier saves chunks when they are computed from now on")
+            self._drop_held(stop=True)
         if hit is None or num_external_tokens <= 0:
             return
         specs = self._load_specs(request.request_id, hit, block_ids)
@@ -335,10 +335,13 @@ class SchedulerHalf:
         """This step's loads and the save plans of chunks that become full during it; resets step state."""
         scheduled = scheduler_output.num_scheduled_tokens
         meta = KVTierMetadata(loads=self._step_loads, idle=not any(scheduled.values()))
-        meta.saves.extend(self._recovery.take_drops(next(iter(scheduled), "")))  # before any write of their keys
+        drops = self._recovery.take_drops(next(iter(scheduled), ""))
+        meta.saves.extend(drops)  # before any write of their keys (saves on eviction: those keys are left out)
         if self._lazy is not None:
-            self._observe(scheduler_output)
-            self._plan_evicted(meta)
+            dropped = self._lazy.dropped
+            self._lazy.observe(scheduler_output)
+            self.directory.count_admission(False, self._lazy.dropped - dropped)
+            self._plan_evicted(meta, {k for spec in drops for p in spec.plans for k in p.evicted})
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._requests:
                 # Never looked up: the engine's request (with its cache salt) was not seen, and vLLM's
@@ -393,53 +396,38 @@ class SchedulerHalf:
             taken = [(i, b) for i, b in chunks if b is not None]
             if self._lazy is not None and not state.loaded:  # saved when the engine takes a block of it
                 for i, b in taken:
-                    self._lazy.hold(Held(all_keys[g][i], all_keys[g][i - 1] if i else None, b))
+                    info = self.events.describe(state.source, g, i, all_keys[g][i]) if self.events else None
+                    self._lazy.hold(Held(all_keys[g][i], all_keys[g][i - 1] if i else None, b, info))
             else:
                 self._plan_group(req_id, g, all_keys[g], taken, meta)
         state.saved_chunks = full
 
-    def _show(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
-        """A request's allocation as ``update_state_after_alloc`` shows it: the held chunks in its blocks are saved in
-        this step; shown without its blocks (a chain that hides them), its blocks' held chunks are dropped when it is
-        scheduled."""
-        assert self._lazy is not None
-        ids = [b for group in block_ids for b in group]
-        self._shown[req_id] = bool(ids)
-        self._evicted.extend((req_id, held) for held in self._lazy.take(ids))
+    def reset_cache(self) -> None:
+        """The engine's KV memory was reset (vLLM's sleep mode discards it): the held chunks' bytes are gone."""
+        self._drop_held()
 
-    def _observe(self, scheduler_output: Any) -> None:
-        """The step's other allocations (kvtier.connector.scheduler.lazy): the new blocks of running requests are saved
-        from; a new request not shown with its blocks, and a block vLLM zeroes first, drop theirs."""
-        assert self._lazy is not None
-        zeroed = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
-        if zeroed:
-            self._lazy.drop(zeroed)
-            kept = [(r, h) for r, h in self._evicted if zeroed.isdisjoint(h.blocks)]
-            self._lazy.dropped += len(self._evicted) - len(kept)
-            self._evicted = kept
-        for new in scheduler_output.scheduled_new_reqs:
-            ids = [b for group in new.block_ids for b in group]
-            if self._shown.pop(new.req_id, False):
-                self._evicted.extend((new.req_id, held) for held in self._lazy.take(ids))
-            else:
-                self._lazy.drop(ids)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
-            if new_ids is not None:
-                self._evicted.extend((req_id, held) for held in self._lazy.take(b for ids in new_ids for b in ids))
+    def _drop_held(self, stop: bool = False) -> None:
+        """Drop every chunk held or taken, unsaved (counted as declined); ``stop``: save at compute time from now on."""
+        if self._lazy is not None:
+            dropped = self._lazy.dropped
+            self._lazy.clear()
+            self.directory.count_admission(False, self._lazy.dropped - dropped)
+            if stop:
+                self._lazy = None
 
-    def _plan_evicted(self, meta: KVTierMetadata) -> None:
+    def _plan_evicted(self, meta: KVTierMetadata, dropping: set[Key]) -> None:
         """Save plans of the held chunks the step's allocations take, each under the request that takes its block
         (whose blocks vLLM keeps until the save is written); the worker copies them when the step is bound."""
         assert self._lazy is not None
-        evicted, self._evicted = self._evicted, []
+        evicted, self._lazy.taken = self._lazy.taken, []
         if self.disabled or self.paused:
-            self._lazy.dropped += len(evicted)
+            self.directory.count_admission(False, len(evicted))
             return
         by_request: dict[str, dict[Key, Held]] = {}
-        for req_id, held in evicted:
-            by_request.setdefault(req_id, {}).setdefault(held.key, held)
+        for req_id, held in evicted:  # a key recovery drops in this step is not written before the drop runs
+            if held.key not in dropping:
+                by_request.setdefault(req_id, {}).setdefault(held.key, held)
+        self.directory.count_admission(False, sum(held.key in dropping for _, held in evicted))
         nbytes = self.kcc.kv_cache_groups[0].bytes_per_chunk(self.cfg.chunk_size)
         for req_id, chunks in by_request.items():
             plans = self._prepare(0, [(h.key, nbytes, h.parent) for h in chunks.values()])
@@ -452,6 +440,10 @@ class SchedulerHalf:
             meta.saves.append(spec)
             self._inflight.add(req_id, spec.stored_keys())
             self.directory.count_admission(True, len(chosen))
+            if self.events is not None:
+                for held in chosen:
+                    if held.info is not None:
+                        self.events.remember(held.key, held.info)
 
     def _plan_state_saves(self, scheduler_output: Any, meta: KVTierMetadata) -> None:
         """Save plans of the recurrent states this step writes at chunk boundaries
@@ -530,6 +522,9 @@ class SchedulerHalf:
             self.disabled = True
             logger.error("kvtier: a worker cannot read the engine's KV cache (see its log); no more hits or saves")
         self._recover(output, report)  # first: no row of this output may make a suspect chunk READY
+        if self._lazy is not None and (output.invalid_block_ids or getattr(output, "failed_recving", None)
+                                       or report.failed_loads):
+            self._drop_held()  # a held chunk may lie in (or be computed on) blocks a failed load left unfilled
         self._inflight.note(report)
         for req_id in output.finished_sending or ():
             self._recovery.drop(self._inflight.finish(req_id))
@@ -554,7 +549,8 @@ class SchedulerHalf:
         self._requests.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._sources.pop(req_id, None)
-        self._shown.pop(req_id, None)
+        if self._lazy is not None:
+            self._lazy.forget(req_id)
         self._recovery.finished(req_id)
         return self._inflight.pending(req_id), None
 

@@ -12,7 +12,7 @@ with ``--num-gpu-blocks-override``) every mode runs in a server process of its o
 * ``kvtier_cpu_learned``: ``kvtier_cpu`` with ``policy.admission: learned`` (kvtier's default: it saves the
   chunks of request classes whose chunks are asked for again past vLLM's cache); the other kvtier modes save every
   chunk they compute (``admission: all``), as every run before the admission did;
-* ``kvtier_cpu_evict``: ``kvtier_cpu`` with ``policy.admission: evict`` (a chunk is saved when vLLM is about to
+* ``kvtier_cpu_evict``: ``kvtier_cpu`` with ``policy.save_at: evict`` (a chunk is saved when vLLM is about to
   write over one of its blocks, not when it is computed);
 * ``kvtier_no_prefix``: kvtier's cpu tier with vLLM's prefix cache off, for reference;
 * ``none``: no cache, the reference every other mode's completions must equal (greedy, ``ignore_eos``).
@@ -163,8 +163,13 @@ def tier_entries(tiers: Sequence[str], workdir: Path, cpu_bytes: int, big_bytes:
 
 
 def admission(mode: str) -> str:
-    """The save admission (``policy.admission``) of a kvtier mode: ``learned`` and ``evict`` for the modes so named."""
-    return next((a for a in ("learned", "evict") if mode.endswith(f"_{a}")), "all")
+    """The save admission (``policy.admission``) of a kvtier mode: ``learned`` for the ``*_learned`` modes."""
+    return "learned" if mode.endswith("_learned") else "all"
+
+
+def save_at(mode: str) -> str:
+    """When a kvtier mode saves (``policy.save_at``): ``evict`` for the ``*_evict`` modes."""
+    return "evict" if mode.endswith("_evict") else "compute"
 
 
 def kvtier_config(mode: str, workdir: Path, cpu_bytes: int, big_bytes: int, redis_url: str | None) -> str | None:
@@ -173,7 +178,8 @@ def kvtier_config(mode: str, workdir: Path, cpu_bytes: int, big_bytes: int, redi
     if not tiers:
         return None
     entries = tier_entries(tiers, workdir, cpu_bytes, big_bytes, redis_url)
-    lines = [f"chunk_size: {BLOCK}", f"tiers: [{', '.join(entries)}]", f"policy: {{admission: {admission(mode)}}}"]
+    lines = [f"chunk_size: {BLOCK}", f"tiers: [{', '.join(entries)}]",
+             f"policy: {{admission: {admission(mode)}, save_at: {save_at(mode)}}}"]
     if not prefix:
         lines.append("serve_without_prefix_caching: true")
     path = workdir / "kvtier.yaml"
@@ -278,7 +284,8 @@ def measure_point(point: dict[str, Any], model: str, settings: dict[str, Any], r
     serve_report.add_ratios(modes)
     chunk_bytes = BLOCK * settings["kv_bytes_per_token"]
     tiers = {m: [point["cpu_tier_bytes"] // chunk_bytes] + [point["big_tier_bytes"] // chunk_bytes] *
-             (len(MODES[m][1]) - 1) for m in modes if MODES[m][1] and admission(m) == "all"}
+             (len(MODES[m][1]) - 1) for m in modes
+             if MODES[m][1] and admission(m) == "all" and save_at(m) == "compute"}
     if "prefix" in modes:
         tiers["prefix"] = []
     workload = hit_workload(requests, BLOCK)

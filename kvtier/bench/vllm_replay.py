@@ -16,7 +16,7 @@ each, vLLM's prefix cache on in all:
 * ``kvtier_reuse2``: ``kvtier_cpu`` with ``store_threshold: 2`` (only prefixes seen before are saved);
 * ``kvtier_cpu_learned``: ``kvtier_cpu`` with ``admission: learned`` (only classes of requests whose chunks are asked
   for again past vLLM's own cache are saved);
-* ``kvtier_cpu_evict``: ``kvtier_cpu`` with ``admission: evict`` (a chunk is saved when vLLM is about to write over
+* ``kvtier_cpu_evict``: ``kvtier_cpu`` with ``save_at: evict`` (a chunk is saved when vLLM is about to write over
   one of its blocks).
 
 ``--one-off SHARE`` mixes in prompts sent once (``--max-prompt`` random tokens, SHARE per trace request on
@@ -129,10 +129,12 @@ def _kvtier_yaml(workdir: Path, mode: str, chunk: int, tier_bytes: int) -> str |
     if mode == "kvtier_cpu_disk":
         tiers.append(f"{{name: disk, kind: disk, capacity: 8GiB, path: {workdir / 'kv-disk'}}}")
     threshold = 2 if mode == "kvtier_reuse2" else 1
-    admission = next((a for a in ("learned", "evict") if mode.endswith(f"_{a}")), "all")
+    admission = "learned" if mode.endswith("_learned") else "all"
+    save_at = "evict" if mode.endswith("_evict") else "compute"
     path = workdir / f"{mode}.yaml"
     path.write_text(f"chunk_size: {chunk}\ntiers: [{', '.join(tiers)}]\n"
-                    f"policy: {{write: write_back, store_threshold: {threshold}, admission: {admission}}}\n")
+                    f"policy: {{write: write_back, store_threshold: {threshold}, admission: {admission}, "
+                    f"save_at: {save_at}}}\n")
     return str(path)
 
 

@@ -55,6 +55,7 @@ from kvtier.config.tree import (
     DURATION_FIELDS,
     EVICTION_POLICIES,
     MEMORY_KINDS,
+    SAVE_TIMES,
     SIZE_FIELDS,
     WEIGHT_MODES,
     CpuTierConfig,
@@ -254,6 +255,8 @@ def _field_value(name: str, annotation: str, value: Any, path: str, env: Mapping
         return choice(value, path, WEIGHT_MODES, "weights fingerprint mode")
     if name == "admission":
         return choice(value, path, ADMISSIONS, "save admission")
+    if name == "save_at":
+        return choice(value, path, SAVE_TIMES, "time to save")
     if name == "admission_min_reuse":
         share = as_float(value, path)
         if not 0 <= share <= 1:

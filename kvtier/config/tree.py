@@ -18,7 +18,8 @@ from kvtier.layout import GroupKind
 # kvtier.records.fingerprint); tests/control/test_policy.py checks that they serve exactly these.
 EVICTION_POLICIES = ("lru", "prefix_lru", "arc", "s3fifo", "prefix_hd", "adaptive")
 WEIGHT_MODES = ("auto", "stat", "content", "off")
-ADMISSIONS = ("all", "learned", "evict")
+ADMISSIONS = ("all", "learned")
+SAVE_TIMES = ("compute", "evict")
 
 
 class TierKind(StrEnum):
@@ -124,9 +125,11 @@ class PolicyConfig:
     store_threshold: int = 1
     # which requests save their chunks: "learned": only classes of requests whose chunks are asked for again,
     # beyond the engine's own prefix cache, at least admission_min_reuse times per chunk offered
-    # (kvtier.connector.scheduler.admission); "all": every computed chunk; "evict": every computed chunk, when the
-    # engine is about to write over one of its blocks (kvtier.connector.scheduler.lazy)
+    # (kvtier.connector.scheduler.admission); "all": every computed chunk
     admission: str = "learned"
+    # when the admitted chunks are saved: "compute": as the engine computes them; "evict": when the engine is about
+    # to write over one of their blocks, or first shares one (kvtier.connector.scheduler.lazy)
+    save_at: str = "compute"
     admission_min_reuse: float = 0.1
     # saves queued on a worker and not yet written (bytes): a step's saves past it are skipped (counted), so a
     # medium slower than the engine never builds an unbounded queue of held blocks and copies

@@ -412,7 +412,7 @@ def test_to_dict_round_trip_of_every_option() -> None:
                   {"name": "r", "kind": "redis", "capacity": "4GiB", "url": "rediss://h:1/3", "ttl": "90m",
                    "timeout_ms": 25, "connect_timeout": "2s", "username": "u", "tls_ca": "/ca.pem"}],
         "policy": {"eviction": "arc", "write": "write_through", "promote_on_hit": False, "store_threshold": 2,
-                   "admission": "learned", "admission_min_reuse": 0.25, "save_backlog": "64MiB",
+                   "admission": "learned", "admission_min_reuse": 0.25, "save_at": "evict", "save_backlog": "64MiB",
                    "persist_after_idle": 0, "persist_max_lag": "3s", "persist_at_close": "500ms"},
         "placement": {"full_attention": ["g", "c", "d", "r"], "mla": ["c"]},
         "save_partial_chunks": True, "security": {"hmac_key_env": "KVTIER_HMAC_KEY"},
@@ -420,7 +420,7 @@ def test_to_dict_round_trip_of_every_option() -> None:
     plain = cfg.to_dict()
     assert plain["tiers"][3]["timeout"] == "0.025s" and plain["tiers"][3]["ttl"] == "5400.0s"
     assert plain["policy"] == {"eviction": "arc", "write": "write_through", "promote_on_hit": False,
-                               "store_threshold": 2, "admission": "learned", "admission_min_reuse": 0.25,
+                               "store_threshold": 2, "admission": "learned", "admission_min_reuse": 0.25, "save_at": "evict",
                                "save_backlog": f"{64 << 20}B", "persist_after_idle": "0.0s",
                                "persist_max_lag": "3.0s", "persist_at_close": "0.5s"}
     again = load_config(yaml.safe_load(yaml.safe_dump(plain)), env={})

@@ -1,4 +1,4 @@
-"""Saves on eviction (``policy.admission: evict``, kvtier.connector.scheduler.lazy): a computed chunk is saved only
+"""Saves on eviction (``policy.save_at: evict``, kvtier.connector.scheduler.lazy): a computed chunk is saved only
 when a step's allocation takes one of its blocks, copied when the step is bound (before any load or forward pass
 writes into the block), and then hit past vLLM's own hit, bit for bit; a chunk whose block cannot be copied
 safely is dropped, never saved. Both connector halves with a real cpu tier, driven as vLLM drives them.
@@ -16,7 +16,8 @@ import torch
 from scheduler_harness import FULL, SWA, Harness
 from worker_kit import A_IDS, TOKENS, C, Engine, paged
 
-from kvtier.config import CpuTierConfig, KvtierConfig, PolicyConfig, WritePolicy, load_config
+from kvtier.config import ConfigError, CpuTierConfig, KvtierConfig, PolicyConfig, WritePolicy, load_config
+from kvtier.connector.scheduler.admission import SaveAdmission
 from kvtier.connector.scheduler.lazy import Held, LazySaves
 from kvtier.engine.types import (
     CachedRequestData,
@@ -32,9 +33,10 @@ OTHER = [5000 + t for t in range(5 * C)]  # another prompt of 5 chunks
 X_IDS = [30, 31, 32, 33, A_IDS[6], A_IDS[7], 36, 37, 38, 39]  # takes the two blocks of A's chunk 3
 
 
-def _cfg(admission: str = "evict") -> KvtierConfig:
+def _cfg(admission: str = "all") -> KvtierConfig:
     return KvtierConfig(chunk_size=C, tiers=(CpuTierConfig("cpu", 1 << 20),),
-                        policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_BACK, admission=admission))
+                        policy=PolicyConfig(eviction="lru", write=WritePolicy.WRITE_BACK, admission=admission,
+                                            save_at="evict"))
 
 
 @pytest.fixture
@@ -178,9 +180,23 @@ def test_held_chunks_a_block_held_again_for_another_chunk_drops_the_old() -> Non
     assert lazy.take([1, 2]) == [] and lazy.dropped == 2 and lazy.take([3]) == [b]
 
 
-def test_the_config_takes_evict(tmp_path: Path) -> None:
+def test_the_config_takes_compute_or_evict(tmp_path: Path) -> None:
     base = {"chunk_size": 256, "tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1GiB"}]}
-    assert load_config({**base, "policy": {"admission": "evict"}}).policy.admission == "evict"
+    assert load_config(base).policy.save_at == "compute"
+    assert load_config({**base, "policy": {"save_at": "evict"}}).policy.save_at == "evict"
+    with pytest.raises(ConfigError, match=r"policy\.save_at"):
+        load_config({**base, "policy": {"save_at": "later"}})
+
+
+def test_a_request_the_learned_admission_declines_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SaveAdmission, "admits", lambda self, cls: False)
+    engine = Engine(_cfg("learned"), paged(3))
+    try:
+        assert _compute_a(engine) == 0
+        assert _take_with_new_request(engine, X_IDS) == 0  # A's chunk 3 was never held
+        assert _hit_past_the_engines(engine, "A1") == 0
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("groups", [(FULL,), (FULL, SWA)])

@@ -1,4 +1,4 @@
-"""Saves on eviction (``policy.admission: evict``) in vLLM's CPU engine: with KV memory for one prompt, a prompt
+"""Saves on eviction (``policy.save_at: evict``, with the default learned admission) in vLLM's CPU engine: with KV memory for one prompt, a prompt
 computed and then pushed out of vLLM's prefix cache by another is saved as its blocks are taken, and hit from
 kvtier's cpu tier when it comes back, with the output of vLLM's own prefix cache."""
 
@@ -16,7 +16,7 @@ def test_a_prompt_pushed_out_of_the_engines_cache_is_saved_as_it_leaves_and_hits
         references: Callable[[str], dict[str, Any]], workdir: Path) -> None:
     model, dtype = models("llama")
     config = kvtier_yaml(workdir / "kvtier.yaml", "[{name: cpu, kind: cpu, capacity: 64MiB}]",
-                         policy={"admission": "evict"})
+                         policy={"save_at": "evict"})
     p = prompts()
     # 12 blocks of 32 tokens (the null block among them): B's 288 tokens take A's blocks but its first two
     out = run_engine({"model": model, "dtype": dtype, "connector": "kvtier", "kvtier_config": config,

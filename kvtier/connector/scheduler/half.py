@@ -103,7 +103,7 @@ class SchedulerHalf:
         self.disabled = False  # a worker could not read the engine's KV tensors: no hits, no saves from now on
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
         self._admission = self._make_admission()
-        self._lazy = self._make_lazy()  # policy.admission: evict (kvtier.connector.scheduler.lazy)
+        self._lazy = self._make_lazy()  # policy.save_at: evict (kvtier.connector.scheduler.lazy)
         # paused (benchmarks time one engine with and without kvtier's work): no lookups hit, no saves planned
         self.paused = False
         self.events: ChunkEvents | None = None  # set when the engine publishes KV events
@@ -137,15 +137,15 @@ class SchedulerHalf:
         return SaveAdmission(max(1, held), self.cfg.policy.admission_min_reuse)
 
     def _make_lazy(self) -> LazySaves | None:
-        """The held chunks of ``policy.admission: evict``, for an engine with one KV-cache group of full attention or
+        """The held chunks of ``policy.save_at: evict``, for an engine with one KV-cache group of full attention or
         MLA (a sliding window frees blocks while its request runs, and vLLM zeroes the new blocks of recurrent
         states before a step runs); None otherwise, and every chunk is saved when computed."""
-        if self.cfg.policy.admission != "evict":
+        if self.cfg.policy.save_at != "evict":
             return None
         groups = self.kcc.kv_cache_groups
         if len(groups) == 1 and groups[0].kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA) and self._placement[0]:
             return LazySaves()
-        logger.warning("policy.admission: evict needs one full-attention or MLA KV-cache group; this engine has %s: "
+        logger.warning("policy.save_at: evict needs one full-attention or MLA KV-cache group; this engine has %s: "
                        "its chunks are saved when computed", [g.kind.value for g in groups])
         return None
 
@@ -254,7 +254,7 @@ class SchedulerHalf:
         hit = self._hits.pop(request.request_id, None)
         block_ids = blocks.get_block_ids()
         if self._lazy is not None and not self._lazy.show(request.request_id, block_ids):
-            logger.warning("policy.admission: evict: an allocation came without its blocks (a chain of connectors "
+            logger.warning("policy.save_at: evict: an allocation came without its blocks (a chain of connectors "
                            "that hides them); kvtier saves chunks when they are computed from now on")
             self._drop_held(stop=True)
         if hit is None or num_external_tokens <= 0:

@@ -1,4 +1,4 @@
-"""Saves on eviction (``policy.admission: evict``): a computed chunk is saved when the engine is about to write over
+"""Saves on eviction (``policy.save_at: evict``): a computed chunk is saved when the engine is about to write over
 one of its blocks, not when it is computed (the peers' offload-on-evict: SGLang HiCache's write-back, LMCache's
 lazy offload). Most chunks leave vLLM's prefix cache unreused; while vLLM holds a chunk, kvtier's copy serves
 nothing, so a save at compute time is pure cost until then.

@@ -68,8 +68,8 @@ def _compute_a(eng: Engine) -> int:
     return saved
 
 
-def _take_with_new_request(eng: Engine, ids: list[int], *, shown: bool = True, zeroed: list[int] | None = None,
-                           write_first: bool = True) -> int:
+def _take_with_new_request(eng: Engine, ids: list[int], *, shown: bool = True,
+                           zeroed: list[int] | None = None) -> int:
     """A new request X allocated ``ids`` (shown with its blocks, or hidden by a chain); its step's loads write into
     the blocks (noise) before the forward pass: the chunks saved in that step."""
     x = Request("X", OTHER)
@@ -78,9 +78,8 @@ def _take_with_new_request(eng: Engine, ids: list[int], *, shown: bool = True, z
     original = eng.work.start_load_kv
 
     def load_then_write(metadata: object) -> None:  # what a load or the forward pass does to the blocks
-        if write_first:
-            for t in eng.kv.values():
-                t[:, ids] = torch.randn(t[:, ids].shape).to(t.dtype)
+        for t in eng.kv.values():
+            t[:, ids] = torch.randn(t[:, ids].shape).to(t.dtype)
         original(metadata)
 
     eng.work.start_load_kv = load_then_write  # type: ignore[method-assign]
@@ -149,6 +148,37 @@ def test_a_held_chunk_whose_bytes_may_be_gone_is_dropped_unsaved(eng: Engine, un
     assert saved == (5 if unsafe == "hidden" else 0) and declined is not None  # hidden: X's own, when computed
     assert declined.data.get("directory_admitted", 0) == 0 and declined.data["directory_declined"] >= 1
     assert _hit_past_the_engines(eng, "A1") == 0  # the same steps with a safe block save it (the first test)
+
+
+def test_a_save_planned_before_a_failed_load_was_reported_is_undone(eng: Engine) -> None:
+    """Asynchronous scheduling plans step N+1 before step N's output: a failed load reported then undoes the saves
+    on eviction planned in between (a chunk computed in step N may stand on a block the load left unfilled)."""
+    assert _compute_a(eng) == 0
+    x = Request("X", OTHER)
+    eng.sched.get_num_new_matched_tokens(x, 0)
+    eng.sched.update_state_after_alloc(x, KVCacheBlocks((X_IDS,)), 0)
+    meta = eng.sched.build_connector_meta(SchedulerOutput(scheduled_new_reqs=[NewRequestData("X", OTHER, (X_IDS,), 0)],
+                                                          num_scheduled_tokens={"X": len(OTHER)}))
+    assert [len(s.keys) for s in meta.saves if s.evicted] == [1]  # A's chunk 3, planned
+    eng.sched.update_connector_output(KVConnectorOutput(invalid_block_ids={45}))  # the last step's load failed
+    eng.work.bind_connector_metadata(meta)  # the step runs as planned: the worker writes the chunk
+    eng.work.start_load_kv(None)
+    eng.work.wait_for_save()
+    eng.work.clear_connector_metadata()
+    eng.work.flush_saves()
+    _finish(eng, "X", X_IDS)  # the next steps ship the drop of its key
+    assert _hit_past_the_engines(eng, "A1") == 0
+
+
+def test_chunks_a_request_took_are_dropped_when_it_finishes_before_its_step_is_planned(eng: Engine) -> None:
+    assert _compute_a(eng) == 0
+    x = Request("X", OTHER)
+    eng.sched.get_num_new_matched_tokens(x, 0)
+    eng.sched.update_state_after_alloc(x, KVCacheBlocks((X_IDS,)), 0)  # takes A's chunk 3
+    eng.sched.request_finished(x, X_IDS)  # aborted before the step was planned: no save can be filed under it
+    meta = eng.sched.build_connector_meta(SchedulerOutput(finished_req_ids={"X"}))
+    assert not [s for s in meta.saves if s.evicted]
+    assert _admitted(eng) == 0
 
 
 def test_a_request_that_loaded_from_kvtier_saves_when_it_computes(eng: Engine) -> None:

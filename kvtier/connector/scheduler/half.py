@@ -104,6 +104,7 @@ class SchedulerHalf:
         self._seen = SeenCounter() if cfg.policy.store_threshold > 1 else None
         self._admission = self._make_admission()
         self._lazy = self._make_lazy()  # policy.save_at: evict (kvtier.connector.scheduler.lazy)
+        self._recent: list[tuple[str, tuple[str, Key]]] = []  # saves on eviction planned since the last output
         # paused (benchmarks time one engine with and without kvtier's work): no lookups hit, no saves planned
         self.paused = False
         self.events: ChunkEvents | None = None  # set when the engine publishes KV events
@@ -415,6 +416,16 @@ class SchedulerHalf:
             if stop:
                 self._lazy = None
 
+    def _undo_recent(self) -> None:
+        """Forget the saves on eviction planned since the workers' last output, everywhere: with asynchronous
+        scheduling they were planned before this output's failed loads were known."""
+        by_request: dict[str, list[tuple[str, Key]]] = {}
+        for req_id, chunk in self._recent:
+            by_request.setdefault(req_id, []).append(chunk)
+        for req_id, chunks in by_request.items():
+            self._inflight.forget(req_id, chunks)
+            self._recovery.forget(chunks)
+
     def _plan_evicted(self, meta: KVTierMetadata, dropping: set[Key]) -> None:
         """Save plans of the held chunks the step's allocations take, each under the request that takes its block
         (whose blocks vLLM keeps until the save is written); the worker copies them when the step is bound."""
@@ -439,6 +450,7 @@ class SchedulerHalf:
                             evicted=True)
             meta.saves.append(spec)
             self._inflight.add(req_id, spec.stored_keys())
+            self._recent.extend((req_id, chunk) for chunk in spec.stored_keys())
             self.directory.count_admission(True, len(chosen))
             if self.events is not None:
                 for held in chosen:
@@ -522,9 +534,10 @@ class SchedulerHalf:
             self.disabled = True
             logger.error("kvtier: a worker cannot read the engine's KV cache (see its log); no more hits or saves")
         self._recover(output, report)  # first: no row of this output may make a suspect chunk READY
-        if self._lazy is not None and (output.invalid_block_ids or getattr(output, "failed_recving", None)
-                                       or report.failed_loads):
+        if output.invalid_block_ids or getattr(output, "failed_recving", None) or report.failed_loads:
             self._drop_held()  # a held chunk may lie in (or be computed on) blocks a failed load left unfilled
+            self._undo_recent()
+        self._recent = []
         self._inflight.note(report)
         for req_id in output.finished_sending or ():
             self._recovery.drop(self._inflight.finish(req_id))
@@ -550,7 +563,9 @@ class SchedulerHalf:
         self._hits.pop(req_id, None)
         self._sources.pop(req_id, None)
         if self._lazy is not None:
+            dropped = self._lazy.dropped
             self._lazy.forget(req_id)
+            self.directory.count_admission(False, self._lazy.dropped - dropped)
         self._recovery.finished(req_id)
         return self._inflight.pending(req_id), None
 

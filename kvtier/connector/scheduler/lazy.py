@@ -11,12 +11,17 @@ whose blocks shows up there, reallocated or shared as a prefix-cache hit (whose 
 for saving in that step; the worker copies it out when the step's metadata is bound
 (``bind_connector_metadata``), before any connector's load and the forward pass write into the block.
 
-A chunk that cannot be copied safely is dropped, never saved:
+A chunk whose bytes may not be its own is dropped, never saved (the scheduler half counts it declined):
 
-* a block vLLM zeroes before the step runs (``new_block_ids_to_zero``);
-* a block of a request whose allocation was not shown with its blocks (a chain that hides them): its bytes may
-  already be another connector's load;
-* a block held again for another chunk: an allocation this half did not see came in between.
+* a block vLLM zeroes or copies into before the step runs (``new_block_ids_to_zero``, ``kv_cache_block_copies``);
+* a block held again for another chunk: an allocation this half did not see came in between;
+* every held chunk on a reset of the engine's KV memory (vLLM's sleep mode) and on any failed load (a held chunk
+  may lie in, or be computed on, a block the load left unfilled); the saves planned on eviction since the
+  workers' last output are then undone too (with asynchronous scheduling a step is planned before the last
+  one's failures are known);
+* every held chunk when an allocation comes without its blocks (a chain that hides them): the half then saves at
+  compute time;
+* the chunks a request took that finished before its step was planned.
 
 Only requests that loaded nothing from kvtier hold their chunks; the others save at compute time, where a failed
 load's recovery (kvtier.connector.scheduler.recovery) covers what they computed on top of it.
@@ -85,8 +90,12 @@ class LazySaves:
         self.taken = []
 
     def forget(self, req_id: str) -> None:
-        """The request has finished (it may never have been scheduled)."""
+        """The request has finished (it may never have been scheduled): the chunks it took and whose saves are not
+        planned yet are dropped (a save is filed under the request that takes the block)."""
         self._shown.pop(req_id, None)
+        kept = [(r, h) for r, h in self.taken if r != req_id]
+        self.dropped += len(self.taken) - len(kept)
+        self.taken = kept
 
     def show(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> bool:
         """A request's allocation as ``update_state_after_alloc`` shows it: the held chunks in its blocks are taken.

@@ -117,6 +117,11 @@ class LoadRecovery:
             self._directory.remove(tier, [key])
             self._drops.setdefault(tier, set()).add(key)
 
+    def forget(self, chunks: Iterable[Chunk]) -> None:
+        """Chunks planned for saving that must not be served: they leave the directory and every rank."""
+        for tier, key in chunks:
+            self._forget(tier, key)
+
     def drop(self, chunks: Iterable[Chunk]) -> None:
         """Chunks some rank wrote that the scheduler forgets: delete them from every rank."""
         for tier, key in chunks:

@@ -12,7 +12,8 @@ with ``--num-gpu-blocks-override``) every mode runs in a server process of its o
 * ``kvtier_cpu_learned``: ``kvtier_cpu`` with ``policy.admission: learned`` (kvtier's default: it saves the
   chunks of request classes whose chunks are asked for again past vLLM's cache); the other kvtier modes save every
   chunk they compute (``admission: all``), as every run before the admission did;
-* ``kvtier_cpu_evict``: ``kvtier_cpu`` with ``policy.save_at: evict`` (a chunk is saved when vLLM is about to
+* ``kvtier_cpu_evict``, ``kvtier_cpu_learned_evict``: ``kvtier_cpu`` and ``kvtier_cpu_learned`` with
+  ``policy.save_at: evict`` (a chunk is saved when vLLM is about to
   write over one of its blocks, not when it is computed);
 * ``kvtier_no_prefix``: kvtier's cpu tier with vLLM's prefix cache off, for reference;
 * ``none``: no cache, the reference every other mode's completions must equal (greedy, ``ignore_eos``).
@@ -62,7 +63,7 @@ from kvtier.ops.vllm_server import Samples, Server, ServerSpec, kvtier_transfer,
 MODES: dict[str, tuple[bool, tuple[str, ...]]] = {  # mode: (vLLM's prefix cache on, kvtier's tiers)
     "prefix": (True, ()), "kvtier_cpu": (True, ("cpu",)), "kvtier_cpu_disk": (True, ("cpu", "disk")),
     "kvtier_cpu_redis": (True, ("cpu", "redis")), "kvtier_cpu_learned": (True, ("cpu",)),
-    "kvtier_cpu_evict": (True, ("cpu",)),
+    "kvtier_cpu_evict": (True, ("cpu",)), "kvtier_cpu_learned_evict": (True, ("cpu",)),
     "kvtier_no_prefix": (False, ("cpu",)), "none": (False, ())}
 QUICK_MODES = ("prefix", "kvtier_cpu_disk", "none")
 QUICK: dict[str, Any] = {"requests": 24, "memory": (0.25,), "layers": 2, "hidden": 256, "concurrency": 4}
@@ -163,8 +164,8 @@ def tier_entries(tiers: Sequence[str], workdir: Path, cpu_bytes: int, big_bytes:
 
 
 def admission(mode: str) -> str:
-    """The save admission (``policy.admission``) of a kvtier mode: ``learned`` for the ``*_learned`` modes."""
-    return "learned" if mode.endswith("_learned") else "all"
+    """The save admission (``policy.admission``) of a kvtier mode: ``learned`` for the ``*_learned*`` modes."""
+    return "learned" if "_learned" in mode else "all"
 
 
 def save_at(mode: str) -> str:
